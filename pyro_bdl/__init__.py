@@ -1,3 +1,15 @@
-"""pyro_bdl: scalable Bayesian deep learning in Pyro."""
+"""pyro_bdl: scalable Bayesian deep learning in Pyro.
+
+Example::
+
+    import pyro_bdl as bdl
+    net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(scale=0.2), random="lora_")
+"""
+
+from pyro_bdl import priors
+from pyro_bdl.lift import LiftedModule, init_to_module, lift
+from pyro_bdl.likelihoods import observe
 
 __version__ = "0.1.0"
+
+__all__ = ["lift", "LiftedModule", "init_to_module", "observe", "priors", "__version__"]

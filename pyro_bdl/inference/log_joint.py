@@ -1,0 +1,78 @@
+"""The minibatch log joint of a Pyro model at given latent values, with its gradient.
+
+Every gradient-based method here (SGMCMC steps, MAP fits) needs
+``log p(theta) + (N/B) sum_batch log p(y_i | theta)`` at given values of the latent
+sites. :class:`LogJoint` computes it in one pass of the model: it conditions the
+latent sites and accumulates each site's scaled and masked log density as the model
+runs. We do not build a ``poutine.trace`` for this because copying every site's
+message into a trace costs more than the update itself on small networks.
+"""
+
+from __future__ import annotations
+
+import pyro
+import torch
+from pyro.distributions.util import scale_and_mask
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+
+__all__ = ["LogJoint", "observed_num_data"]
+
+
+class LogJoint(Messenger):
+    """Condition latent sites on ``values`` and sum the log densities of all sites.
+
+    Example::
+
+        with LogJoint(values) as log_joint:
+            model(batch, num_data)
+        log_joint.value.backward()
+
+    :param dict values: latent site name -> value (in the site's support).
+    """
+
+    def __init__(self, values: dict[str, torch.Tensor]):
+        super().__init__()
+        self.values = values
+        self.value: torch.Tensor | float = 0.0
+
+    def _pyro_sample(self, msg: dict) -> None:
+        if msg["is_observed"] or site_is_subsample(msg):
+            return
+        try:
+            msg["value"] = self.values[msg["name"]]
+        except KeyError:
+            raise KeyError(
+                f"the model has a latent site {msg['name']!r} that was not there when "
+                "inference started; the set of latent sites must not change between calls"
+            ) from None
+        msg["is_observed"] = True
+
+    def _pyro_post_sample(self, msg: dict) -> None:
+        if site_is_subsample(msg):
+            return
+        log_prob = msg["fn"].log_prob(msg["value"], *msg["args"], **msg["kwargs"])
+        log_prob = scale_and_mask(log_prob, msg["scale"], msg["mask"])
+        self.value = self.value + log_prob.sum()
+
+
+def observed_num_data(trace: pyro.poutine.Trace) -> int | None:
+    """The data-set size N that the observed sites of a trace are scaled to.
+
+    It is the full size of the subsampled plate around the observed sites
+    (``bdl.observe`` makes one of size ``num_data``); None if there is none.
+
+    :raises ValueError: if observed sites disagree on N.
+    """
+    sizes = set()
+    for site in trace.nodes.values():
+        if site["type"] == "sample" and site["is_observed"] and not site_is_subsample(site):
+            subsampled = [f.full_size for f in site["cond_indep_stack"] if f.full_size]
+            if subsampled:
+                sizes.add(subsampled[0])
+    if len(sizes) > 1:
+        raise ValueError(
+            f"num_data: the observed sites are scaled to different data-set sizes {sorted(sizes)}; "
+            "pass num_data explicitly"
+        )
+    return sizes.pop() if sizes else None

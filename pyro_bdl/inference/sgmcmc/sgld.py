@@ -1,0 +1,56 @@
+"""Stochastic gradient Langevin dynamics (SGLD)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pyro_bdl.inference.sgmcmc.base import SGMCMCKernel
+
+__all__ = ["SGLD"]
+
+
+class SGLD(SGMCMCKernel):
+    r"""Stochastic gradient Langevin dynamics, tempered.
+
+    The Euler-Maruyama step of :math:`d\theta = N^{-1}\nabla\log\pi(\theta)\,dt +
+    \sqrt{2T/N}\,dw` (Appendix B.1 of the posteriors paper, user temperature
+    :math:`T = N\mathcal{T}`):
+
+    .. math::
+
+        \theta \leftarrow \theta + \frac{\epsilon}{N} g
+            + \sqrt{\frac{2 \epsilon T}{N}}\, \xi, \qquad \xi \sim \mathcal{N}(0, I),
+
+    with :math:`g = \nabla\log p(\theta) + \frac{N}{B}\sum_{i\in\text{batch}}
+    \nabla\log p(y_i\mid\theta)`. Its stationary law is :math:`p(\theta\mid y)^{1/T}`;
+    at :math:`T = 0` it is SGD with learning rate :math:`\epsilon` on
+    :math:`-\log \hat p(\theta)/N`.
+
+    **References**
+
+    [1] M. Welling, Y. W. Teh. Bayesian learning via stochastic gradient Langevin
+    dynamics. ICML 2011.
+    [2] S. Duffield et al. Scalable Bayesian learning with posteriors. 2024, Appendix B.1.
+
+    Example::
+
+        mcmc = MCMC(SGLD(model, step_size=1e-3), num_samples=100, warmup_steps=1000)
+        mcmc.run(train_loader, len(train_set))
+
+    :param callable model: a Pyro model.
+    :param float step_size: :math:`\epsilon`.
+    :param float temperature: :math:`T \ge 0`.
+    :param kwargs: ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint``
+        and the rest of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+    """
+
+    def __init__(self, model, step_size: float, temperature: float = 1.0, **kwargs):
+        super().__init__(model, step_size, temperature, **kwargs)
+
+    def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
+        torch._foreach_add_(theta, grads, alpha=step_size / self.num_data)
+        if self.temperature > 0:
+            noise_scale = math.sqrt(2 * step_size * self.temperature / self.num_data)
+            torch._foreach_add_(theta, self.standard_normal(), alpha=noise_scale)

@@ -1,0 +1,278 @@
+"""Lift chosen weights of a torch module into Pyro sample sites.
+
+:func:`lift` wraps any :class:`torch.nn.Module`, a peft ``PeftModel`` over a Hugging
+Face model included, without changing it. Calling the wrapper inside a Pyro model
+samples each *random* weight at a ``pyro.sample`` site with its prior, reads each
+*point* weight with ``pyro.param``, and runs the module's forward through
+:func:`torch.func.functional_call` with those tensors. Every other parameter is the
+module's own: parameters with ``requires_grad=False`` (a frozen pretrained base) are
+never registered, never given a gradient and never copied.
+
+We do not use ``pyro.nn.module.to_pyro_module_``: it fails on Hugging Face classes
+with a metaclass conflict and would register the frozen base as trainable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.infer.autoguide.initialization import init_to_mean
+from torch.func import functional_call
+
+from pyro_bdl.priors import IIDNormal, Prior
+
+__all__ = ["lift", "LiftedModule", "init_to_module", "Selector"]
+
+Selector = None | str | Sequence[str] | Callable[[str, torch.Tensor], bool]
+
+# The key under which a lifted site carries its module weight, so that kernels and
+# guides can start from the pretrained value (see init_to_module).
+_INIT_KEY = "bdl_module_weight"
+
+
+def init_to_module(site: dict, fallback: Callable[[dict], torch.Tensor] = init_to_mean):
+    """Pyro init strategy: a lifted weight starts at the module's current value.
+
+    Sites that :func:`lift` did not create fall back to ``fallback`` (the prior mean
+    by default), never to a random draw, which would destroy a pretrained network.
+
+    :param dict site: a Pyro sample-site message.
+    :param callable fallback: init strategy for sites that are not lifted weights.
+    """
+    weight = site["infer"].get(_INIT_KEY)
+    if weight is not None:
+        return weight.detach().clone()
+    return fallback(site)
+
+
+def _selector_matches(selector: Selector, argument: str, trainable: Mapping[str, torch.Tensor]):
+    """The names of trainable parameters that ``selector`` picks."""
+    if selector is None:
+        return []
+    if isinstance(selector, str):
+        return [name for name in trainable if selector in name]
+    if callable(selector):
+        return [name for name, param in trainable.items() if selector(name, param)]
+    if isinstance(selector, Sequence):
+        unknown = [name for name in selector if name not in trainable]
+        if unknown:
+            raise ValueError(
+                f"lift: {argument} names parameters that are not trainable parameters of the "
+                f"module: {unknown[:5]}; trainable ones include {list(trainable)[:5]}. Pass "
+                "names from module.named_parameters() whose requires_grad is True."
+            )
+        return list(dict.fromkeys(selector))
+    raise TypeError(
+        f"lift: {argument} must be a substring, a list of parameter names or a predicate "
+        f"(name, param) -> bool, got {type(selector).__name__}"
+    )
+
+
+class LiftedModule:
+    """A torch module whose chosen weights are Pyro sites (made by :func:`lift`).
+
+    :ivar torch.nn.Module module: the wrapped module, unchanged.
+    :ivar dict random_sites: site name -> parameter name, for the random weights.
+    :ivar dict point_sites: site name -> parameter name, for the point weights.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        prior: Prior,
+        random_names: Sequence[str],
+        point_names: Sequence[str],
+        prefix: str,
+    ):
+        self.module = module
+        self.prefix = prefix
+        self._params = dict(module.named_parameters())
+        self.random_sites = {prefix + name: name for name in random_names}
+        self.point_sites = {prefix + name: name for name in point_names}
+        self._prior_cache: dict[str, tuple[Any, dist.TorchDistribution]] = {}
+        self._fixed_depth = 0
+        self.prior = prior
+
+    @property
+    def prior(self) -> Prior:
+        """The prior of the random weights; assigning a new one takes effect at once."""
+        return self._prior
+
+    @prior.setter
+    def prior(self, prior: Prior) -> None:
+        if not hasattr(prior, "distribution"):
+            raise TypeError(
+                "lift: prior must implement distribution(name, param) (see pyro_bdl.priors), "
+                f"got {type(prior).__name__}"
+            )
+        self._prior = prior
+        self._prior_cache.clear()
+
+    def parameter(self, site: str) -> torch.nn.Parameter:
+        """The module parameter behind a random or point site."""
+        name = self.random_sites.get(site) or self.point_sites.get(site)
+        if name is None:
+            raise KeyError(f"{site!r} is not a site of this lifted module")
+        return self._params[name]
+
+    def owner(self, site: str) -> tuple[torch.nn.Module, str]:
+        """The submodule that holds a site's parameter and the attribute name in it.
+
+        Curvature code uses it to hook the layer (e.g. the ``nn.Linear`` of a LoRA A).
+        """
+        name = self.random_sites.get(site) or self.point_sites.get(site)
+        if name is None:
+            raise KeyError(f"{site!r} is not a site of this lifted module")
+        module_path, _, attribute = name.rpartition(".")
+        return self.module.get_submodule(module_path), attribute
+
+    def prior_distribution(self, site: str) -> dist.TorchDistribution:
+        """The prior of one random site (cached per dtype and device)."""
+        param = self._params[self.random_sites[site]]
+        key = (param.dtype, param.device, param.shape)
+        cached = self._prior_cache.get(site)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        distribution = self._prior.distribution(self.random_sites[site], param)
+        if distribution.event_shape != param.shape or distribution.batch_shape != ():
+            raise ValueError(
+                f"prior {self._prior!r} gave {site!r} a distribution with batch shape "
+                f"{tuple(distribution.batch_shape)} and event shape "
+                f"{tuple(distribution.event_shape)}; the parameter has shape "
+                f"{tuple(param.shape)}: a prior must return batch shape () and event shape "
+                "equal to the parameter's (use .to_event())"
+            )
+        self._prior_cache[site] = (key, distribution)
+        return distribution
+
+    def init_values(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the module's current values of the random weights."""
+        return {
+            site: self._params[name].detach().clone() for site, name in self.random_sites.items()
+        }
+
+    def __call__(self, *args, **kwargs):
+        if self._fixed_depth:
+            return self.module(*args, **kwargs)
+        values = {}
+        for site, name in self.random_sites.items():
+            values[name] = pyro.sample(
+                site, self.prior_distribution(site), infer={_INIT_KEY: self._params[name]}
+            )
+        for site, name in self.point_sites.items():
+            param = self._params[name]
+            values[name] = pyro.param(site, lambda param=param: param.detach().clone())
+        return functional_call(self.module, values, args, kwargs)
+
+    @contextlib.contextmanager
+    def fixed(self, values: Mapping[str, torch.Tensor]) -> Iterator[LiftedModule]:
+        """A context in which every forward call of the module uses one given draw.
+
+        ``values`` maps site names to tensors (one draw, e.g.
+        ``{k: v[i] for k, v in mcmc.get_samples().items()}``); keys that are not sites of
+        this module are ignored. Point weights missing from ``values`` take their value
+        from Pyro's param store when it has one. Inside the context the wrapper and any
+        method of the module (``generate`` included) run without sample sites; the
+        module's own weights are restored on exit.
+
+        :param dict values: one value per random site, keyed by site name.
+        """
+        missing = [site for site in self.random_sites if site not in values]
+        if missing:
+            raise KeyError(
+                f"fixed(values): no value for the random sites {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; pass one draw of every random site"
+            )
+        store = pyro.get_param_store()
+        chosen = {name: values[site] for site, name in self.random_sites.items()}
+        for site, name in self.point_sites.items():
+            if site in values:
+                chosen[name] = values[site]
+            elif site in store:
+                chosen[name] = store[site]
+        saved = {}
+        with torch.no_grad():
+            for name, value in chosen.items():
+                param = self._params[name]
+                if value.shape != param.shape:
+                    raise ValueError(
+                        f"fixed(values): {self.prefix + name!r} has shape {tuple(value.shape)}, "
+                        f"expected {tuple(param.shape)}; pass a single draw, not a batch"
+                    )
+                saved[name] = param.detach().clone()
+                param.copy_(value)
+        self._fixed_depth += 1
+        try:
+            yield self
+        finally:
+            self._fixed_depth -= 1
+            with torch.no_grad():
+                for name, value in saved.items():
+                    self._params[name].copy_(value)
+
+    def __repr__(self) -> str:
+        return (
+            f"LiftedModule({type(self.module).__name__}, random={len(self.random_sites)} "
+            f"tensors, point={len(self.point_sites)} tensors, prior={self._prior!r})"
+        )
+
+
+def lift(
+    module: torch.nn.Module,
+    prior: Prior | None = None,
+    random: Selector = None,
+    point: Selector = None,
+    *,
+    prefix: str = "",
+) -> LiftedModule:
+    """Make chosen weights of ``module`` Pyro sites, keeping the module unchanged.
+
+    Parameters are selected among the module's *trainable* parameters
+    (``requires_grad=True``) by a substring of their name, a list of names, or a
+    predicate ``(name, param) -> bool``. By default every trainable parameter is
+    random. Trainable parameters selected by neither ``random`` nor ``point`` stay the
+    module's own during inference, like frozen ones.
+
+    Example::
+
+        net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(scale=0.2), random="lora_")
+
+        def model(batch, num_data):
+            logits = net(input_ids=batch["input_ids"]).logits
+            bdl.observe("y", dist.Categorical(logits=logits), batch["labels"], num_data)
+
+    :param torch.nn.Module module: any module, e.g. a peft ``PeftModel``.
+    :param prior: the prior of the random weights (default ``IIDNormal(1.0)``); any
+        object with ``distribution(name, param)``, see :mod:`pyro_bdl.priors`.
+    :param random: which trainable parameters get a prior and a ``pyro.sample`` site.
+    :param point: which trainable parameters are point estimates read with ``pyro.param``.
+    :param str prefix: prepended to every site name (to lift two modules in one model).
+    :return: a callable :class:`LiftedModule`.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"lift: module must be a torch.nn.Module, got {type(module).__name__}")
+    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    random_names = (
+        list(trainable) if random is None else _selector_matches(random, "random", trainable)
+    )
+    point_names = _selector_matches(point, "point", trainable)
+    overlap = sorted(set(random_names) & set(point_names))
+    if overlap:
+        if random is None:
+            random_names = [name for name in random_names if name not in set(point_names)]
+        else:
+            raise ValueError(
+                f"lift: parameters selected as both random and point: {overlap[:5]}; "
+                "a weight is either a sample site or a pyro.param, not both"
+            )
+    if random is not None and not random_names:
+        raise ValueError(
+            f"lift: random={random!r} matches no trainable parameter; trainable parameters "
+            f"include {list(trainable)[:5]} (frozen ones, requires_grad=False, cannot be random)"
+        )
+    return LiftedModule(module, prior or IIDNormal(1.0), random_names, point_names, prefix)

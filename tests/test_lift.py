@@ -1,0 +1,128 @@
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+import pyro_bdl as bdl
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def test_default_makes_every_trainable_parameter_a_site_with_its_prior():
+    net = bdl.lift(_mlp(), prior=bdl.priors.IIDNormal(0.5))
+    trace = pyro.poutine.trace(net).get_trace(torch.randn(5, 3))
+    sites = {n: s for n, s in trace.nodes.items() if s["type"] == "sample"}
+    assert set(sites) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert sites["0.weight"]["fn"].event_shape == (4, 3)
+    assert sites["0.weight"]["fn"].batch_shape == ()
+    value = sites["0.weight"]["value"]
+    expected = dist.Normal(0.0, 0.5).log_prob(value).sum()
+    assert torch.allclose(sites["0.weight"]["fn"].log_prob(value), expected)
+
+
+def test_forward_uses_the_sampled_values_and_leaves_the_module_untouched():
+    module = _mlp()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    net = bdl.lift(module)
+    values = {n: torch.zeros_like(p) for n, p in module.named_parameters()}
+    x = torch.randn(5, 3)
+    out = pyro.poutine.condition(net, data=values)(x)
+    assert torch.equal(out, torch.zeros(5, 2))
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_selection_by_substring_list_and_predicate():
+    module = _mlp()
+    assert set(bdl.lift(module, random="weight").random_sites) == {"0.weight", "2.weight"}
+    assert set(bdl.lift(module, random=["2.bias"]).random_sites) == {"2.bias"}
+    chosen = bdl.lift(module, random=lambda name, p: p.dim() == 1)
+    assert set(chosen.random_sites) == {"0.bias", "2.bias"}
+
+
+def test_point_weights_are_params_and_the_rest_of_the_default_is_random():
+    module = _mlp()
+    net = bdl.lift(module, point="bias")
+    assert set(net.point_sites) == {"0.bias", "2.bias"}
+    assert set(net.random_sites) == {"0.weight", "2.weight"}
+    trace = pyro.poutine.trace(net).get_trace(torch.randn(2, 3))
+    assert trace.nodes["0.bias"]["type"] == "param"
+    assert torch.equal(pyro.param("0.bias"), module[0].bias)
+
+
+def test_frozen_parameters_are_never_sites_nor_params():
+    module = _mlp()
+    module[0].weight.requires_grad_(False)
+    net = bdl.lift(module)
+    assert "0.weight" not in net.random_sites
+    pyro.poutine.trace(net).get_trace(torch.randn(2, 3))
+    assert "0.weight" not in pyro.get_param_store()
+    with pytest.raises(ValueError, match="not trainable"):
+        bdl.lift(module, random=["0.weight"])
+
+
+def test_bad_selection_names_the_argument():
+    with pytest.raises(ValueError, match="random='lora_' matches no trainable"):
+        bdl.lift(_mlp(), random="lora_")
+    with pytest.raises(ValueError, match="both random and point"):
+        bdl.lift(_mlp(), random="bias", point="0.")
+    with pytest.raises(TypeError, match="random must be"):
+        bdl.lift(_mlp(), random=3)
+
+
+def test_tied_weights_stay_tied():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.out = torch.nn.Linear(3, 5, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.out(self.embed(ids))
+
+    module = Tied()
+    net = bdl.lift(module)
+    assert set(net.random_sites) == {"embed.weight"}
+    weight = torch.randn(5, 3)
+    out = pyro.poutine.condition(net, data={"embed.weight": weight})(torch.tensor([1]))
+    assert torch.allclose(out, weight[1] @ weight.T)
+
+
+def test_fixed_runs_any_method_with_one_draw_and_restores_the_weights():
+    module = _mlp()
+    original = module[2].weight.detach().clone()
+    net = bdl.lift(module, random="2.")
+    draw = {"2.weight": torch.ones(2, 4), "2.bias": torch.zeros(2), "unrelated": torch.ones(1)}
+    x = torch.randn(3, 3)
+    with net.fixed(draw):
+        hidden = torch.tanh(module[0](x))
+        assert torch.allclose(module(x), hidden.sum(-1, keepdim=True).expand(3, 2))
+        trace = pyro.poutine.trace(net).get_trace(x)
+        assert not [s for s in trace.nodes.values() if s["type"] == "sample"]
+    assert torch.equal(module[2].weight, original)
+    with pytest.raises(KeyError, match="no value for the random sites"):
+        with net.fixed({"2.weight": torch.ones(2, 4)}):
+            pass
+
+
+def test_prior_with_wrong_shape_is_rejected():
+    class Bad:
+        def distribution(self, name, param):
+            return dist.Normal(0.0, 1.0).expand(param.shape)
+
+    net = bdl.lift(_mlp(), prior=Bad())
+    with pytest.raises(ValueError, match="batch shape"):
+        net(torch.randn(1, 3))
+
+
+def test_layerwise_fan_in_prior():
+    prior = bdl.priors.LayerwiseNormal.fan_in(gain=2.0, bias_scale=0.3)
+    assert prior.scale_of("w", torch.zeros(4, 16)) == pytest.approx(0.5)
+    assert prior.scale_of("b", torch.zeros(4)) == pytest.approx(0.3)
+    mapping = bdl.priors.LayerwiseNormal({"a": 0.1})
+    with pytest.raises(KeyError, match="no scale for 'b'"):
+        mapping.scale_of("b", torch.zeros(1))
