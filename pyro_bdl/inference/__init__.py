@@ -1,5 +1,9 @@
 """Inference for Bayesian deep learning in Pyro: SGMCMC kernels, Laplace and VI guides."""
 
+from pyro_bdl.inference import laplace, vi
+from pyro_bdl.inference.laplace import *  # noqa: F403
+from pyro_bdl.inference.map import fit_map
+from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc import (
     SGHMC,
     SGLD,
@@ -9,6 +13,7 @@ from pyro_bdl.inference.sgmcmc import (
     RobbinsMonro,
     SGMCMCKernel,
 )
+from pyro_bdl.inference.vi import *  # noqa: F403
 
 __all__ = [
     "SGLD",
@@ -18,4 +23,8 @@ __all__ = [
     "DivergenceError",
     "Constant",
     "RobbinsMonro",
+    "fit_map",
+    "Minibatches",
+    *laplace.__all__,
+    *vi.__all__,
 ]

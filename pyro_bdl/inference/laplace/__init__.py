@@ -1,0 +1,3 @@
+"""Laplace approximations as Pyro guides."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Variational guides: mean-field Gaussian and BLoB."""
+
+__all__: list[str] = []
