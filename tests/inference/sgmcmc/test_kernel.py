@@ -1,0 +1,281 @@
+"""The mechanics every SGMCMC kernel shares: minibatches, warm-up, thinning, statistics,
+divergence, checkpoints, chains, initialisation and argument checks."""
+
+import json
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import MCMC
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
+
+import pyro_bdl as bdl
+from pyro_bdl.inference import SGHMC, SGLD, SGNHT, DivergenceError, RobbinsMonro
+from pyro_bdl.inference.sgmcmc.chains import Chains
+
+KERNELS = [SGLD, SGHMC, SGNHT]
+NUM_DATA = 24
+
+
+def _data():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(NUM_DATA, 3, generator=generator, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    return x, y
+
+
+def _loader(batch_size=6):
+    x, y = _data()
+    sampler = BatchSampler(SequentialSampler(range(NUM_DATA)), batch_size, drop_last=False)
+    return DataLoader(TensorDataset(x, y), sampler=sampler, batch_size=None)
+
+
+def _regression(record=None):
+    torch.manual_seed(0)
+    net = bdl.lift(torch.nn.Linear(3, 1).double(), bdl.priors.IIDNormal(1.0))
+
+    def model(batch, num_data):
+        x, y = batch
+        if record is not None:
+            record.append(x[:, 0].clone())
+        bdl.observe("y", dist.Normal(net(x).squeeze(-1), 0.5), y, num_data)
+
+    return net, model
+
+
+@pytest.mark.parametrize("kernel_class", KERNELS)
+def test_each_step_takes_the_next_minibatch_cycling_through_epochs(kernel_class):
+    seen = []
+    _, model = _regression(record=seen)
+    kernel = kernel_class(model, step_size=1e-3)
+    MCMC(kernel, num_samples=3, warmup_steps=4, disable_progbar=True).run(_loader(), NUM_DATA)
+    x, _ = _data()
+    batches = list(x[:, 0].split(6))
+    # setup traces the first batch once, then 7 steps take batches 0,1,2,3,0,1,2.
+    assert len(seen) == 8
+    for got, expected in zip(seen[1:], batches + batches[:3]):
+        assert torch.equal(got, expected)
+    assert kernel.num_data == NUM_DATA
+
+
+def test_thinning_runs_k_steps_per_kept_draw_and_warmup_one_each():
+    _, model = _regression()
+    kernel = SGHMC(model, step_size=1e-3, thin=4)
+    mcmc = MCMC(kernel, num_samples=5, warmup_steps=3, disable_progbar=True)
+    mcmc.run(_loader(), NUM_DATA)
+    assert kernel._step == 3 + 5 * 4
+    assert mcmc.get_samples()["weight"].shape == (5, 1, 3)
+    stats = mcmc._diagnostics[0]["sample_stats"]
+    assert {len(v) for v in stats.values()} == {5}
+
+
+@pytest.mark.parametrize("kernel_class", KERNELS)
+def test_sample_stats_and_logging(kernel_class):
+    _, model = _regression()
+    kernel = kernel_class(model, step_size=1e-3, temperature=0.7)
+    mcmc = MCMC(kernel, num_samples=4, warmup_steps=2, disable_progbar=True)
+    mcmc.run(_loader(), NUM_DATA)
+    stats = mcmc._diagnostics[0]["sample_stats"]
+    expected = {"potential_energy", "step_size", "temperature", "grad_norm"}
+    if kernel_class is SGNHT:
+        expected.add("thermostat")
+    assert set(stats) == expected
+    assert stats["temperature"] == [0.7] * 4
+    assert all(g > 0 for g in stats["grad_norm"])
+    json.dumps(kernel.logging())
+    json.dumps(kernel.diagnostics())
+
+
+def test_potential_energy_is_minus_the_minibatch_log_joint():
+    net, model = _regression()
+    kernel = SGLD(model, step_size=1e-12, temperature=0.0)
+    MCMC(kernel, num_samples=1, warmup_steps=0, disable_progbar=True).run(_loader(), NUM_DATA)
+    x, y = _data()
+    weight, bias = net.module.weight.detach(), net.module.bias.detach()
+    log_prior = dist.Normal(0.0, 1.0).log_prob(torch.cat([weight.reshape(-1), bias])).sum()
+    mean = x[:6] @ weight.reshape(-1) + bias
+    log_lik = dist.Normal(mean, 0.5).log_prob(y[:6]).sum() * NUM_DATA / 6
+    potential = kernel.diagnostics()["sample_stats"]["potential_energy"][0]
+    assert potential == pytest.approx(-(log_prior + log_lik).item(), rel=1e-9)
+
+
+def test_step_size_schedule_is_recorded():
+    _, model = _regression()
+    schedule = RobbinsMonro(b=2.0, gamma=1.0)
+    kernel = SGLD(model, step_size=0.01, schedule=schedule)
+    MCMC(kernel, num_samples=3, warmup_steps=1, disable_progbar=True).run(_loader(), NUM_DATA)
+    steps = kernel.diagnostics()["sample_stats"]["step_size"]
+    assert steps == pytest.approx([0.01 * 2 / (2 + t) for t in (1, 2, 3)])
+
+
+@pytest.mark.parametrize("kernel_class", KERNELS)
+def test_chain_starts_at_the_module_weights_not_the_prior(kernel_class):
+    net, model = _regression()
+    with torch.no_grad():
+        net.module.weight.fill_(7.0)
+    kernel = kernel_class(model, step_size=1e-8, temperature=0.0)
+    mcmc = MCMC(kernel, num_samples=1, warmup_steps=0, disable_progbar=True)
+    mcmc.run(_loader(), NUM_DATA)
+    assert torch.allclose(
+        mcmc.get_samples()["weight"], torch.full((1, 1, 3), 7.0, dtype=torch.float64)
+    )
+    assert torch.equal(net.module.weight, torch.full((1, 3), 7.0, dtype=torch.float64))
+
+
+def test_init_params_dict_and_strategy():
+    _, model = _regression()
+    start = {"weight": torch.full((1, 3), -3.0, dtype=torch.float64)}
+    kernel = SGLD(model, step_size=1e-9, temperature=0.0, init_params=start)
+    mcmc = MCMC(kernel, num_samples=1, warmup_steps=0, disable_progbar=True)
+    mcmc.run(_loader(), NUM_DATA)
+    assert torch.allclose(mcmc.get_samples()["weight"][0], start["weight"])
+
+
+def test_divergence_stops_with_the_step_the_cause_and_the_draws_kept():
+    _, model = _regression()
+    kernel = SGLD(model, step_size=50.0, temperature=0.0)
+    mcmc = MCMC(kernel, num_samples=200, warmup_steps=2, disable_progbar=True)
+    with pytest.raises(DivergenceError, match=r"diverged at step \d+.*smaller step_size") as error:
+        mcmc.run(_loader(), NUM_DATA)
+    kept = error.value.draws["weight"]
+    assert 0 < len(kept) < 200
+    assert torch.isfinite(kept).all()
+    assert torch.equal(kernel.get_draws()["weight"], kept)
+    assert len(error.value.sample_stats["potential_energy"]) == len(kept)
+
+
+def test_constrained_sites_are_sampled_in_unconstrained_space():
+    x, y = _data()
+
+    def model(x, y):
+        scale = pyro.sample("scale", dist.LogNormal(0.0, 1.0))
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1))
+        bdl.observe("y", dist.Normal(x @ w, scale), y, NUM_DATA)
+
+    mcmc = MCMC(SGHMC(model, step_size=0.01), num_samples=50, warmup_steps=20, disable_progbar=True)
+    mcmc.run(x, y)
+    scale = mcmc.get_samples()["scale"]
+    assert (scale > 0).all() and scale.shape == (50,)
+
+
+def test_resume_from_checkpoint_continues_and_replays(tmp_path):
+    _, model = _regression()
+    pyro.set_rng_seed(0)
+    kernel = SGHMC(model, step_size=1e-2, checkpoint=tmp_path, checkpoint_every=2)
+    first = MCMC(kernel, num_samples=4, warmup_steps=5, disable_progbar=True)
+    first.run(_loader(), NUM_DATA)
+    steps_done = kernel._step
+
+    resumed_kernel = SGHMC(model, step_size=1e-2, checkpoint=tmp_path, checkpoint_every=2)
+    resumed = MCMC(resumed_kernel, num_samples=7, warmup_steps=5, disable_progbar=True)
+    resumed.run(_loader(), NUM_DATA)
+    old, new = first.get_samples()["weight"], resumed.get_samples()["weight"]
+    assert torch.equal(new[:4], old)  # replayed from disk, not recomputed
+    assert resumed_kernel._step == steps_done + 3
+    assert not torch.equal(new[4], new[3])
+    assert len(resumed_kernel.diagnostics()["sample_stats"]["step_size"]) == 7
+
+    other = SGHMC(model, step_size=5e-2, checkpoint=tmp_path)
+    with pytest.raises(ValueError, match="checkpoint: .* holds a chain with settings"):
+        MCMC(other, num_samples=1, warmup_steps=5, disable_progbar=True).run(_loader(), NUM_DATA)
+
+
+def test_interrupted_run_resumes_after_the_last_saved_state(tmp_path):
+    _, model = _regression()
+    kernel = SGLD(model, step_size=1e-3, checkpoint=tmp_path)
+    mcmc = MCMC(kernel, num_samples=6, warmup_steps=0, disable_progbar=True)
+
+    def interrupt(kernel, params, stage, i):
+        if i == 2:
+            raise KeyboardInterrupt
+
+    mcmc.sampler.hook = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        mcmc.run(_loader(), NUM_DATA)
+    assert len(kernel.get_draws()["weight"]) == 3
+    resumed_kernel = SGLD(model, step_size=1e-3, checkpoint=tmp_path)
+    resumed = MCMC(resumed_kernel, num_samples=6, warmup_steps=0, disable_progbar=True)
+    resumed.run(_loader(), NUM_DATA)
+    assert torch.equal(resumed.get_samples()["weight"][:3], kernel.get_draws()["weight"])
+    assert resumed_kernel._step == 6
+
+
+def test_several_chains_through_pyro_mcmc():
+    _, model = _regression()
+    mcmc = MCMC(
+        SGLD(model, step_size=1e-3),
+        num_samples=5,
+        warmup_steps=2,
+        num_chains=2,
+        disable_progbar=True,
+    )
+    mcmc.run(_loader(), NUM_DATA)
+    samples = mcmc.get_samples(group_by_chain=True)["weight"]
+    assert samples.shape == (2, 5, 1, 3)
+    assert not torch.equal(samples[0], samples[1])
+
+
+def test_several_chains_in_worker_processes(monkeypatch):
+    # Pyro runs chains in processes only with a spare core per chain; pretend there are.
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+    _, model = _regression()
+    mcmc = MCMC(
+        SGLD(model, step_size=1e-3),
+        num_samples=4,
+        warmup_steps=2,
+        num_chains=2,
+        mp_context="fork",
+        disable_progbar=True,
+    )
+    mcmc.run(_data(), NUM_DATA)
+    assert mcmc.get_samples(group_by_chain=True)["weight"].shape == (2, 4, 1, 3)
+    assert len(mcmc._diagnostics[1]["sample_stats"]["grad_norm"]) == 4
+
+
+def test_chains_in_one_process_group_draws_by_chain():
+    _, model = _regression()
+    starts = [torch.full((1, 3), float(c), dtype=torch.float64) for c in range(3)]
+    chains = Chains(
+        SGHMC(model, step_size=1e-3, temperature=0.0),
+        num_samples=2,
+        warmup_steps=3,
+        num_chains=3,
+        init_params=lambda c: {"weight": starts[c]},
+        disable_progbar=True,
+    )
+    chains.run(_loader(), NUM_DATA)
+    grouped = chains.get_samples(group_by_chain=True)["weight"]
+    assert grouped.shape == (3, 2, 1, 3)
+    for c in range(3):  # T = 0, tiny steps: each chain stays near its own start
+        assert torch.allclose(grouped[c], starts[c].expand(2, 1, 3), atol=0.1)
+    assert chains.get_samples()["weight"].shape == (6, 1, 3)
+    assert set(chains.diagnostics()["sample_stats"]) == {"chain 0", "chain 1", "chain 2"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"step_size": -0.1}, "step_size must be a positive number, got -0.1"),
+        ({"step_size": 0.1, "temperature": -1}, "temperature must be a non-negative"),
+        ({"step_size": 0.1, "thin": 0}, "thin must be an int >= 1"),
+        ({"step_size": 0.1, "num_data": 0}, "num_data must be a positive int"),
+        ({"step_size": 0.1, "friction": -2.0}, "friction must be a non-negative"),
+        ({"step_size": 0.1, "mass": 0.0}, "mass must be a positive"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    _, model = _regression()
+    with pytest.raises(ValueError, match=message):
+        SGHMC(model, **kwargs)
+
+
+def test_model_without_observe_needs_num_data():
+    def model():
+        pyro.sample("w", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(ValueError, match="num_data: the model has no bdl.observe"):
+        MCMC(SGLD(model, step_size=0.1), num_samples=1, warmup_steps=0).run()
+    mcmc = MCMC(SGLD(model, step_size=0.1, num_data=1), num_samples=2, disable_progbar=True)
+    mcmc.run()
+    assert mcmc.get_samples()["w"].shape == (2,)
