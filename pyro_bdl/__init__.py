@@ -6,10 +6,20 @@ Example::
     net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(scale=0.2), random="lora_")
 """
 
-from pyro_bdl import priors
+from pyro_bdl import data, priors
+from pyro_bdl.arviz import to_arviz
 from pyro_bdl.lift import LiftedModule, init_to_module, lift
 from pyro_bdl.likelihoods import observe
 
 __version__ = "0.1.0"
 
-__all__ = ["lift", "LiftedModule", "init_to_module", "observe", "priors", "__version__"]
+__all__ = [
+    "lift",
+    "LiftedModule",
+    "init_to_module",
+    "observe",
+    "to_arviz",
+    "priors",
+    "data",
+    "__version__",
+]

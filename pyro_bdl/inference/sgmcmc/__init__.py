@@ -1,6 +1,7 @@
 """Tempered stochastic-gradient MCMC kernels for ``pyro.infer.MCMC``."""
 
 from pyro_bdl.inference.sgmcmc.base import DivergenceError, SGMCMCKernel
+from pyro_bdl.inference.sgmcmc.chains import Chains
 from pyro_bdl.inference.sgmcmc.schedules import Constant, RobbinsMonro
 from pyro_bdl.inference.sgmcmc.sghmc import SGHMC
 from pyro_bdl.inference.sgmcmc.sgld import SGLD
@@ -11,6 +12,7 @@ __all__ = [
     "SGHMC",
     "SGNHT",
     "SGMCMCKernel",
+    "Chains",
     "DivergenceError",
     "Constant",
     "RobbinsMonro",

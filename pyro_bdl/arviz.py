@@ -1,0 +1,319 @@
+"""Export draws to ArviZ: an ``xarray.DataTree`` with ArviZ's groups and conventions.
+
+:func:`to_arviz` accepts a finished ``pyro.infer.MCMC`` run with a pyro_bdl kernel,
+a :class:`~pyro_bdl.inference.sgmcmc.chains.Chains` run, a fitted guide, or a dict of
+draws. The result has ``posterior`` (chain, draw, *dims), ``sample_stats``, and on
+request ``log_likelihood`` (pointwise, computed draw by draw so memory stays that of
+one forward pass), ``posterior_predictive`` and ``observed_data``; a guide adds the
+parameters of its approximation as the group ``approximation``. ``arviz_stats``
+(``summary``, ``rhat``, ``ess``, ``loo``) and ``arviz_plots`` read it, and
+``to_netcdf`` round-trips it.
+
+Networks have millions of weights and ArviZ's diagnostics cost about a millisecond per
+scalar; ``var_names`` and ``max_coords_per_var`` keep a reproducible subset, and
+:mod:`pyro_bdl.diagnostics` computes R-hat and ESS vectorised over all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+
+import arviz_base
+import numpy as np
+import pyro
+import torch
+import xarray as xr
+from pyro.infer import MCMC, Predictive
+from pyro.poutine.util import site_is_subsample
+
+import pyro_bdl
+from pyro_bdl.inference.minibatch import Minibatches
+from pyro_bdl.inference.sgmcmc.chains import Chains
+
+__all__ = ["to_arviz"]
+
+_STAT_NAMES = {"potential_energy": "lp"}
+
+
+def to_arviz(
+    source,
+    *,
+    num_samples: int | None = None,
+    model: Callable | None = None,
+    model_args: Sequence = (),
+    model_kwargs: Mapping | None = None,
+    log_likelihood: bool = False,
+    posterior_predictive: bool = False,
+    var_names: Sequence[str] | None = None,
+    max_coords_per_var: int | None = None,
+    seed: int = 0,
+    dims: Mapping[str, Sequence[str]] | None = None,
+    coords: Mapping[str, Sequence] | None = None,
+    grouped_by_chain: bool = True,
+) -> xr.DataTree:
+    """Convert draws of a Bayesian network's weights into an ArviZ ``DataTree``.
+
+    Example::
+
+        idata = bdl.to_arviz(mcmc, model=model, model_args=(test_loader, n_train),
+                             log_likelihood=True, max_coords_per_var=100)
+        arviz_stats.summary(idata)
+
+    :param source: a run ``pyro.infer.MCMC`` (with an SGMCMC kernel of pyro_bdl or any
+        other), a :class:`~pyro_bdl.inference.sgmcmc.chains.Chains`, a fitted guide
+        (needs ``num_samples``), or a dict of draws shaped ``(chain, draw, *shape)``
+        (``(draw, *shape)`` with ``grouped_by_chain=False``).
+    :param int num_samples: draws to take from a guide (stored as chain 0).
+    :param callable model: the Pyro model, for ``log_likelihood`` and
+        ``posterior_predictive`` (default: the kernel's model).
+    :param model_args: the model's arguments for those groups; DataLoaders are iterated
+        once, batch by batch. For a guide, also the arguments its sampling needs.
+    :param dict model_kwargs: keyword arguments, likewise.
+    :param bool log_likelihood: add pointwise log likelihoods of the observed sites.
+    :param bool posterior_predictive: add posterior predictive draws of the observed
+        sites, and ``observed_data``.
+    :param var_names: keep only these latent sites.
+    :param int max_coords_per_var: keep at most this many entries of each site, chosen
+        at random (reproducibly, from ``seed`` and the site name); the kept flat indices
+        are the coordinate ``<site>_index``.
+    :param int seed: seed of that choice and of guide sampling.
+    :param dict dims: named dimensions per site (ArviZ ``dims``).
+    :param dict coords: coordinate values for those dimensions.
+    :param bool grouped_by_chain: whether a dict source has a leading chain dimension.
+    :return: an ``xarray.DataTree``.
+    """
+    model_kwargs = dict(model_kwargs or {})
+    samples, stats, attrs, approximation, model = _read_source(
+        source, num_samples, model, model_args, model_kwargs, seed, grouped_by_chain
+    )
+    if var_names is not None:
+        unknown = sorted(set(var_names) - set(samples))
+        if unknown:
+            raise ValueError(f"var_names: {unknown} are not sites of the draws {sorted(samples)}")
+    if (log_likelihood or posterior_predictive) and model is None:
+        raise ValueError("log_likelihood / posterior_predictive need model=<the Pyro model>")
+    groups = {}
+    kept = {name: samples[name] for name in (var_names or samples)}
+    posterior, posterior_dims, posterior_coords = _subset_coords(kept, max_coords_per_var, seed)
+    groups["posterior"] = _dataset(
+        posterior, {**posterior_dims, **(dims or {})}, {**posterior_coords, **(coords or {})}
+    )
+    if stats:
+        groups["sample_stats"] = _dataset(stats, {}, {})
+    if log_likelihood or posterior_predictive:
+        pointwise = _pointwise(model, samples, model_args, model_kwargs, posterior_predictive)
+        if log_likelihood:
+            groups["log_likelihood"] = _dataset(pointwise["log_likelihood"], {}, {})
+        if posterior_predictive:
+            groups["posterior_predictive"] = _dataset(pointwise["posterior_predictive"], {}, {})
+            observed = {k: v[np.newaxis, np.newaxis] for k, v in pointwise["observed"].items()}
+            groups["observed_data"] = _dataset(observed, {}, {}).squeeze(
+                ("chain", "draw"), drop=True
+            )
+    if approximation:
+        groups["approximation"] = xr.Dataset(
+            {name: (_plain_dims(name, value.shape), value) for name, value in approximation.items()}
+        )
+    tree = xr.DataTree.from_dict(groups)
+    tree.attrs.update(
+        _netcdf_attrs(
+            {
+                **attrs,
+                "inference_library": "pyro_bdl",
+                "inference_library_version": pyro_bdl.__version__,
+            }
+        )
+    )
+    for group in groups:
+        tree[group].attrs.update(tree.attrs)
+    return tree
+
+
+# -- reading the source -----------------------------------------------------------------
+
+
+def _read_source(source, num_samples, model, model_args, model_kwargs, seed, grouped_by_chain):
+    """(samples, sample_stats, attrs, approximation, model) of any supported source."""
+    if isinstance(source, (MCMC, Chains)):
+        if isinstance(source, MCMC) and source._samples is None:
+            raise ValueError("to_arviz: the MCMC has no draws yet; call mcmc.run(...) first")
+        samples = _numpy(source.get_samples(group_by_chain=True))
+        kernel = source.kernel
+        stats = _sample_stats(source._diagnostics)
+        attrs = {
+            **(kernel.hyperparameters() if hasattr(kernel, "hyperparameters") else {}),
+            "method": getattr(kernel, "hyperparameters", lambda: {})().get(
+                "method", type(kernel).__name__
+            ),
+            "num_chains": source.num_chains,
+            "num_samples": source.num_samples,
+            "warmup_steps": source.warmup_steps,
+        }
+        return samples, stats, attrs, {}, model or getattr(kernel, "model", None)
+    if isinstance(source, Mapping):
+        samples = _numpy(source)
+        if not grouped_by_chain:
+            samples = {name: value[np.newaxis] for name, value in samples.items()}
+        return samples, {}, {"method": "draws"}, {}, model
+    if callable(source) and hasattr(source, "approximation_parameters"):
+        if not num_samples:
+            raise ValueError("to_arviz(guide): pass num_samples=<number of draws>")
+        with torch.random.fork_rng():
+            pyro.set_rng_seed(seed)
+            predictive = Predictive(source, num_samples=num_samples, parallel=False)
+            draws = predictive(
+                *_first_batch(model_args, model_kwargs)[0],
+                **_first_batch(model_args, model_kwargs)[1],
+            )
+        latent = _latent_names(source)
+        samples = {
+            name: value.detach().cpu().numpy()[np.newaxis]
+            for name, value in draws.items()
+            if latent is None or name in latent
+        }
+        approximation = {
+            name: value.detach().cpu().numpy()
+            for name, value in source.approximation_parameters().items()
+        }
+        attrs = {"method": type(source).__name__, **source.hyperparameters()}
+        return samples, {}, attrs, approximation, model or getattr(source, "model", None)
+    raise TypeError(
+        "to_arviz: source must be a run pyro.infer.MCMC, a Chains run, a fitted guide with "
+        f"approximation_parameters(), or a dict of draws; got {type(source).__name__}"
+    )
+
+
+def _first_batch(model_args, model_kwargs):
+    return Minibatches(tuple(model_args), model_kwargs).peek()
+
+
+def _latent_names(guide) -> set[str] | None:
+    prototype = getattr(guide, "prototype_trace", None)
+    if prototype is None:
+        return None
+    return {
+        name
+        for name, site in prototype.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+    }
+
+
+def _sample_stats(diagnostics: Sequence[dict | None]) -> dict[str, np.ndarray]:
+    per_chain = [d.get("sample_stats") for d in diagnostics if d]
+    if not per_chain or any(stats is None for stats in per_chain):
+        return {}
+    return {
+        _STAT_NAMES.get(key, key): (-1 if key == "potential_energy" else 1)
+        * np.asarray([chain[key] for chain in per_chain], dtype=float)
+        for key in per_chain[0]
+    }
+
+
+def _numpy(samples: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {
+        name: value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
+        for name, value in samples.items()
+    }
+
+
+# -- building datasets ------------------------------------------------------------------
+
+
+def _subset_coords(samples, max_coords_per_var, seed):
+    """Keep at most ``max_coords_per_var`` entries per site, reproducibly."""
+    if max_coords_per_var is None:
+        return samples, {}, {}
+    if not isinstance(max_coords_per_var, int) or max_coords_per_var < 1:
+        raise ValueError(f"max_coords_per_var must be a positive int, got {max_coords_per_var!r}")
+    kept, dims, coords = {}, {}, {}
+    for name, value in samples.items():
+        size = int(np.prod(value.shape[2:], dtype=int))
+        if size <= max_coords_per_var:
+            kept[name] = value
+            continue
+        # The seed mixes in a stable hash of the name (Python's hash() is salted).
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        index = np.sort(rng.choice(size, max_coords_per_var, replace=False))
+        kept[name] = value.reshape(*value.shape[:2], size)[..., index]
+        dims[name] = [f"{name}_index"]
+        coords[f"{name}_index"] = index
+    return kept, dims, coords
+
+
+def _dataset(data, dims, coords) -> xr.Dataset:
+    return arviz_base.dict_to_dataset(
+        data, dims=dims, coords=coords, sample_dims=["chain", "draw"], check_conventions=False
+    )
+
+
+def _plain_dims(name: str, shape: tuple) -> list[str]:
+    return [f"{name}_dim_{i}" for i in range(len(shape))]
+
+
+def _netcdf_attrs(attrs: Mapping) -> dict:
+    """Attributes netCDF can store: numbers and strings (others as JSON strings)."""
+    stored = {}
+    for key, value in attrs.items():
+        if isinstance(value, (bool, np.bool_)):
+            stored[key] = int(value)
+        elif isinstance(value, (int, float, str, np.integer, np.floating)):
+            stored[key] = value
+        else:
+            stored[key] = json.dumps(value, default=str)
+    return stored
+
+
+# -- pointwise log likelihood and predictions -------------------------------------------
+
+
+def _pointwise(model, samples, model_args, model_kwargs, predict: bool) -> dict:
+    """Per-draw, per-example log likelihood and predictive draws of observed sites."""
+    num_chains, num_draws = next(iter(samples.values())).shape[:2]
+    batches = list(Minibatches(tuple(model_args), model_kwargs).one_pass())
+    log_lik, predictive, observed = {}, {}, {}
+    for chain in range(num_chains):
+        for draw in range(num_draws):
+            values = {name: torch.as_tensor(v[chain, draw]) for name, v in samples.items()}
+            per_batch = [_observed_sites(model, values, a, k, predict) for a, k in batches]
+            for name in per_batch[0]:
+                log_prob, predicted, obs = (
+                    np.concatenate([b[name][i] for b in per_batch]) for i in range(3)
+                )
+                log_lik.setdefault(name, np.empty((num_chains, num_draws, *log_prob.shape)))
+                log_lik[name][chain, draw] = log_prob
+                if predict:
+                    predictive.setdefault(
+                        name, np.empty((num_chains, num_draws, *predicted.shape), predicted.dtype)
+                    )
+                    predictive[name][chain, draw] = predicted
+                    observed[name] = obs
+    return {"log_likelihood": log_lik, "posterior_predictive": predictive, "observed": observed}
+
+
+def _observed_sites(model, values, args, kwargs, predict: bool) -> dict:
+    """Observed site -> (per-example log likelihood, predicted value, observed value)."""
+    # uncondition inside condition: the observed sites are sampled (the prediction,
+    # keeping the observation in infer["obs"]) while the latent sites stay at the draw.
+    runnable = pyro.poutine.uncondition(model) if predict else model
+    with torch.no_grad():
+        trace = pyro.poutine.trace(pyro.poutine.condition(runnable, data=values)).get_trace(
+            *args, **kwargs
+        )
+    sites = {}
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or name in values or site_is_subsample(site):
+            continue
+        observed = site["infer"].get("obs") if predict else site["value"]
+        if observed is None or not (site["is_observed"] or predict):
+            continue
+        # The site's distribution already sums non-batch dimensions (bdl.observe's
+        # to_event), so its log_prob is per example, unscaled by N / B.
+        log_prob = site["fn"].log_prob(observed)
+        sites[name] = (
+            log_prob.cpu().numpy(),
+            site["value"].cpu().numpy(),
+            observed.cpu().numpy(),
+        )
+    return sites
