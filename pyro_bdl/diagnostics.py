@@ -1,0 +1,582 @@
+"""Vectorised, chunked MCMC convergence diagnostics for posteriors with millions of coordinates.
+
+Rank-normalised split R-hat and bulk / tail effective sample size (ESS) of Vehtari et al.
+(2021), computed exactly as :mod:`arviz_stats` computes them (its defaults: ``rhat`` with
+``method="rank"``, ``ess`` with ``method="bulk"`` and ``method="tail"``), including its
+conventions for ties, constant coordinates (R-hat ``nan`` or ``inf``, ESS equal to the number
+of draws) and coordinates containing ``nan`` (every diagnostic ``nan``).
+
+We re-implement rather than call :mod:`arviz_stats` because it applies a scalar function to
+one coordinate at a time, at about 0.7 ms per coordinate for the three diagnostics: ten
+minutes for a network with a million weights. Here every step (ranking, FFT autocovariance,
+Geyer's truncation of the autocorrelation sum) is one numpy operation over a block of
+``chunk_size`` coordinates, so memory stays bounded by the chunk and the cost per coordinate
+drops by two orders of magnitude.
+
+**References**
+
+[1] Vehtari, A., Gelman, A., Simpson, D., Carpenter, B. and Buerkner, P.-C. (2021).
+    Rank-normalization, folding, and localization: an improved R-hat for assessing
+    convergence of MCMC. *Bayesian Analysis* 16(2), 667-718.
+[2] Geyer, C. J. (1992). Practical Markov chain Monte Carlo. *Statistical Science* 7(4).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import xarray as xr
+from scipy.fft import irfft, next_fast_len, rfft
+from scipy.special import ndtri
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "Diagnostics",
+    "diagnose",
+    "ess_bulk",
+    "ess_tail",
+    "rhat",
+    "summary",
+]
+
+#: Coordinates processed together by one thread: small enough to stay in cache for 4 x 100
+#: draws, and about 30 MB per temporary array for 4 x 1,000 draws.
+DEFAULT_CHUNK_SIZE = 1024
+#: Chunks processed in parallel; numpy and scipy.fft release the GIL, so threads scale.
+DEFAULT_NUM_THREADS = min(8, os.cpu_count() or 1)
+_MIN_DRAWS = 4
+_MIN_CHAINS_RHAT = 2
+_BLOM_OFFSET = 3 / 8
+# arviz treats a coordinate whose draws span less than this as constant.
+_CONSTANT_RESOLUTION = np.finfo(float).resolution
+_SUMMARY_STATS = ("mean", "sd", "ess_bulk", "ess_tail", "r_hat")
+
+
+class Diagnostics(NamedTuple):
+    """Rank-normalised split R-hat, bulk ESS and tail ESS, each shaped like the coordinates."""
+
+    rhat: np.ndarray
+    ess_bulk: np.ndarray
+    ess_tail: np.ndarray
+
+
+def rhat(
+    samples: np.ndarray | torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_threads: int = DEFAULT_NUM_THREADS,
+) -> np.ndarray:
+    r"""Rank-normalised split R-hat, the larger of the bulk and the folded (tail) R-hat.
+
+    Each chain is split in half (the middle draw of an odd chain is dropped), the draws are
+    replaced by normal scores of their pooled ranks :math:`z = \Phi^{-1}((r - 3/8) / (S + 1/4))`,
+    and with :math:`M` split chains of :math:`N` draws, :math:`B = N \operatorname{var}_m
+    \bar z_m` and :math:`W = \operatorname{mean}_m s^2_m`,
+
+    .. math:: \hat R = \sqrt{(B / W + N - 1) / N}.
+
+    The tail version does the same with :math:`|x - \operatorname{median}(x)|`. Matches
+    ``arviz_stats.rhat(..., method="rank")``. See [1] in the module docstring.
+
+    Example::
+
+        samples = np.random.default_rng(0).normal(size=(4, 100, 10))
+        rhat(samples)  # shape (10,), all close to 1
+
+    :param samples: draws shaped ``(chain, draw, *coords)``; at least 2 chains and 4 draws,
+        otherwise the result is ``nan``.
+    :type samples: numpy.ndarray or torch.Tensor
+    :param int chunk_size: number of coordinates processed at once by each thread.
+    :param int num_threads: number of chunks processed in parallel.
+    :returns: R-hat shaped ``coords``.
+    :rtype: numpy.ndarray
+    """
+    (values,) = _diagnose(samples, ("rhat",), chunk_size=chunk_size, num_threads=num_threads)
+    return values
+
+
+def ess_bulk(
+    samples: np.ndarray | torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_threads: int = DEFAULT_NUM_THREADS,
+) -> np.ndarray:
+    r"""Bulk effective sample size: the ESS of the rank-normalised split chains.
+
+    With :math:`\hat\rho_t` the autocorrelation at lag :math:`t` pooled over chains
+    (autocovariances by FFT), :math:`S` draws in all and Geyer's initial monotone sequence
+    truncating the sum at the first negative pair :math:`\hat\rho_{2k} + \hat\rho_{2k+1}`,
+
+    .. math:: \mathrm{ESS} = S / \hat\tau, \quad \hat\tau = -1 + 2 \sum_{t \le 2K - 1}
+              \hat\rho_t + \hat\rho_{2K}, \quad \hat\tau \ge 1 / \log_{10} S.
+
+    Matches ``arviz_stats.ess(..., method="bulk")``. See [1, 2] in the module docstring.
+
+    Example::
+
+        samples = np.random.default_rng(0).normal(size=(4, 100, 10))
+        ess_bulk(samples)  # shape (10,), near 400 for independent draws
+
+    :param samples: draws shaped ``(chain, draw, *coords)``; at least 4 draws, otherwise the
+        result is ``nan``.
+    :type samples: numpy.ndarray or torch.Tensor
+    :param int chunk_size: number of coordinates processed at once by each thread.
+    :param int num_threads: number of chunks processed in parallel.
+    :returns: bulk ESS shaped ``coords``.
+    :rtype: numpy.ndarray
+    """
+    (values,) = _diagnose(samples, ("ess_bulk",), chunk_size=chunk_size, num_threads=num_threads)
+    return values
+
+
+def ess_tail(
+    samples: np.ndarray | torch.Tensor,
+    prob: float | tuple[float, float] | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_threads: int = DEFAULT_NUM_THREADS,
+) -> np.ndarray:
+    r"""Tail effective sample size: the smaller ESS of two quantile indicators.
+
+    .. math:: \mathrm{ESS}_\text{tail} = \min\big(\mathrm{ESS}(\mathbb 1[x \le q_{lo}]),
+              \mathrm{ESS}(\mathbb 1[x \le q_{hi}])\big)
+
+    with :math:`q` the pooled sample quantiles (numpy's ``"linear"`` method) and the ESS of
+    the split indicator chains as in :func:`ess_bulk`. Matches
+    ``arviz_stats.ess(..., method="tail")`` with its default ``prob``. See [1].
+
+    Example::
+
+        samples = np.random.default_rng(0).normal(size=(4, 100, 10))
+        ess_tail(samples)  # shape (10,)
+
+    :param samples: draws shaped ``(chain, draw, *coords)``; at least 4 draws.
+    :type samples: numpy.ndarray or torch.Tensor
+    :param prob: a probability ``p`` for the quantiles ``(1 - p, p)``, or the pair of
+        quantile levels ``(lo, hi)``; by default ``arviz_base.rcParams["stats.ci_prob"]``
+        (0.89), as arviz.
+    :type prob: float or tuple
+    :param int chunk_size: number of coordinates processed at once by each thread.
+    :param int num_threads: number of chunks processed in parallel.
+    :returns: tail ESS shaped ``coords``.
+    :rtype: numpy.ndarray
+    """
+    (values,) = _diagnose(
+        samples, ("ess_tail",), prob, chunk_size=chunk_size, num_threads=num_threads
+    )
+    return values
+
+
+def diagnose(
+    samples: np.ndarray | torch.Tensor,
+    prob: float | tuple[float, float] | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_threads: int = DEFAULT_NUM_THREADS,
+) -> Diagnostics:
+    """:func:`rhat`, :func:`ess_bulk` and :func:`ess_tail` in one pass over the draws.
+
+    Cheaper than the three calls: R-hat and the bulk ESS share one ranking of each chunk.
+
+    Example::
+
+        samples = np.random.default_rng(0).normal(size=(4, 100, 1000))
+        d = diagnose(samples)
+        bad = (d.rhat > 1.01) | (d.ess_bulk < 400)
+
+    :param samples: draws shaped ``(chain, draw, *coords)``.
+    :type samples: numpy.ndarray or torch.Tensor
+    :param prob: tail probability, as in :func:`ess_tail`.
+    :type prob: float or tuple
+    :param int chunk_size: number of coordinates processed at once by each thread.
+    :param int num_threads: number of chunks processed in parallel.
+    :rtype: Diagnostics
+    """
+    return Diagnostics(
+        *_diagnose(
+            samples, Diagnostics._fields, prob, chunk_size=chunk_size, num_threads=num_threads
+        )
+    )
+
+
+def summary(
+    idata: xr.DataTree | xr.Dataset,
+    var_names: Sequence[str] | None = None,
+    *,
+    group: str = "posterior",
+    prob: float | tuple[float, float] | None = None,
+    fmt: str = "xarray",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_threads: int = DEFAULT_NUM_THREADS,
+) -> xr.Dataset:
+    """Posterior mean, sd, bulk / tail ESS and R-hat of every coordinate, at scale.
+
+    The scalable counterpart of ``arviz_stats.summary(idata, kind="all")`` restricted to
+    ``mean``, ``sd`` (``ddof=0``), ``ess_bulk``, ``ess_tail`` and ``r_hat``, with the same
+    values. Use it on posteriors with millions of weights.
+
+    Example::
+
+        import arviz_base
+        idata = arviz_base.from_dict({"posterior": {"w": np.random.randn(4, 100, 256, 128)}})
+        stats = summary(idata)
+        stats["w"].sel(summary="r_hat").max()
+
+    :param idata: an ArviZ ``DataTree`` (for instance from :func:`pyro_bdl.to_arviz`) or the
+        ``Dataset`` of one group, with ``chain`` and ``draw`` dimensions.
+    :type idata: xarray.DataTree or xarray.Dataset
+    :param var_names: variables to summarise; all of the group's variables by default.
+    :type var_names: list of str or None
+    :param str group: the group of a ``DataTree`` to summarise.
+    :param prob: tail probability, as in :func:`ess_tail`.
+    :type prob: float or tuple
+    :param str fmt: ``"xarray"`` (default): a ``Dataset`` in which each variable gains a leading
+        ``summary`` dimension labelled ``mean, sd, ess_bulk, ess_tail, r_hat``; ``"dataframe"``:
+        a ``pandas.DataFrame`` with one row per coordinate, as ``arviz_stats.summary`` prints
+        (building its row labels costs far more than the diagnostics on large posteriors).
+    :param int chunk_size: number of coordinates processed at once by each thread.
+    :param int num_threads: number of chunks processed in parallel.
+    :rtype: xarray.Dataset or pandas.DataFrame
+    """
+    if fmt not in ("xarray", "dataframe"):
+        raise ValueError(f'fmt must be "xarray" or "dataframe", got {fmt!r}')
+    dataset = _select_variables(_group_dataset(idata, group), var_names)
+    result = xr.Dataset(
+        {
+            name: _summarise_variable(array, prob, chunk_size, num_threads)
+            for name, array in dataset.data_vars.items()
+        }
+    )
+    if fmt == "dataframe":
+        from arviz_base import dataset_to_dataframe
+
+        return dataset_to_dataframe(result, sample_dims=["summary"]).T
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Input handling and chunking
+
+
+def _as_draws(samples: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A numpy view (no float64 copy of the whole posterior) of ``samples``, validated."""
+    if isinstance(samples, torch.Tensor):
+        samples = samples.detach().cpu()
+        if samples.dtype == torch.bfloat16:  # numpy has no bfloat16
+            samples = samples.float()
+        samples = samples.numpy()
+    samples = np.asarray(samples)
+    if samples.ndim < 2:
+        raise ValueError(
+            "samples must be shaped (chain, draw, *coords); add a chain dimension with "
+            f"samples[None] for a single chain, got shape {samples.shape}"
+        )
+    if not (np.issubdtype(samples.dtype, np.number) or samples.dtype == bool):
+        raise TypeError(f"samples must be numeric, got dtype {samples.dtype}")
+    return samples
+
+
+def _diagnose(
+    samples: np.ndarray | torch.Tensor,
+    wanted: Sequence[str],
+    prob: float | tuple[float, float] | None = None,
+    *,
+    chunk_size: int,
+    num_threads: int,
+) -> np.ndarray:
+    """The ``wanted`` diagnostics of every coordinate, stacked: ``(len(wanted), *coords)``.
+
+    Chunks of float64 blocks ``(coords, chain, draw)`` are cut from ``samples`` inside the
+    worker threads (numpy and scipy.fft release the GIL), so at most ``num_threads`` chunks
+    are in memory. As in arviz, a coordinate with a ``nan`` draw gets ``nan``, and too few
+    chains or draws give ``nan`` everywhere.
+    """
+    for name, value in (("chunk_size", chunk_size), ("num_threads", num_threads)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    levels = _tail_levels(prob)
+    draws = _as_draws(samples)
+    num_chains, num_draws, *coord_shape = draws.shape
+    flat = draws.reshape(num_chains, num_draws, -1)
+    out = np.full((len(wanted), flat.shape[-1]), np.nan)
+
+    def fill(start: int) -> None:
+        block = np.ascontiguousarray(
+            flat[:, :, start : start + chunk_size].transpose(2, 0, 1), dtype=np.float64
+        )
+        # errstate is thread-local; constant coordinates legitimately divide 0 by 0.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = _diagnose_chunk(block, wanted, levels)
+        has_nan = np.isnan(block).any(axis=(1, 2))
+        out[:, start : start + block.shape[0]] = np.where(has_nan, np.nan, values)
+
+    if num_draws < _MIN_DRAWS:
+        _warn_too_short(num_chains, num_draws, 1)
+    else:
+        starts = range(0, flat.shape[-1], chunk_size)
+        if num_threads == 1 or len(starts) == 1:
+            for start in starts:
+                fill(start)
+        else:
+            with ThreadPoolExecutor(num_threads) as pool:
+                list(pool.map(fill, starts))  # list() re-raises a worker's exception
+        if "rhat" in wanted and num_chains < _MIN_CHAINS_RHAT:
+            _warn_too_short(num_chains, num_draws, _MIN_CHAINS_RHAT)
+            out[list(wanted).index("rhat")] = np.nan
+    return out.reshape(len(wanted), *coord_shape)
+
+
+def _warn_too_short(num_chains: int, num_draws: int, min_chains: int) -> None:
+    warnings.warn(
+        f"samples has {num_chains} chain(s) of {num_draws} draws; this diagnostic needs at "
+        f"least {min_chains} chain(s) of {_MIN_DRAWS} draws and is nan",
+        stacklevel=4,
+    )
+
+
+def _tail_levels(prob: float | tuple[float, float] | None) -> tuple[float, float]:
+    """Quantile levels of the tail ESS, ordered as arviz orders them."""
+    if prob is None:
+        from arviz_base import rcParams
+
+        prob = rcParams["stats.ci_prob"]
+    levels = prob if isinstance(prob, Sequence) else sorted((prob, 1 - prob))
+    if len(levels) != 2 or not all(0 <= level <= 1 for level in levels):
+        raise ValueError(
+            "prob must be a probability p in (0, 1] or a pair of quantile levels in [0, 1], "
+            f"got {prob!r}"
+        )
+    return levels[0], levels[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-chunk numerics; every array is (coords, chain, draw) in float64
+
+
+def _diagnose_chunk(
+    x: np.ndarray, wanted: Sequence[str], levels: tuple[float, float]
+) -> np.ndarray:
+    """The ``wanted`` diagnostics of one chunk, sharing the ranking and the sort."""
+    results = {}
+    split = _split_chains(x)
+    ordered = None
+    if "rhat" in wanted or "ess_bulk" in wanted:
+        z_bulk, ordered = _z_scale(split)
+        if "rhat" in wanted:
+            results["rhat"] = _rank_rhat(split, z_bulk, ordered)
+        if "ess_bulk" in wanted:
+            results["ess_bulk"] = _ess(z_bulk)
+    if "ess_tail" in wanted:
+        # The quantiles are of all draws; the split draws are the same multiset unless a
+        # middle draw was dropped.
+        if ordered is None or x.shape[-1] % 2:
+            ordered = np.sort(x.reshape(x.shape[0], -1), axis=-1)
+        results["ess_tail"] = _ess_tail(split, ordered, levels)
+    return np.stack([results[name] for name in wanted])
+
+
+def _split_chains(x: np.ndarray) -> np.ndarray:
+    """Halve each chain (dropping the middle draw of an odd chain): (c, 2 * chain, draw // 2)."""
+    half = x.shape[-1] // 2
+    return np.concatenate((x[..., :half], x[..., x.shape[-1] - half :]), axis=1)
+
+
+def _z_scale(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Normal scores of the ranks pooled over chains and draws (Blom's offset 3/8).
+
+    Also returns each coordinate's draws sorted, a by-product that the median and the
+    quantiles reuse.
+    """
+    doubled_ranks, ordered = _doubled_average_ranks(x.reshape(x.shape[0], -1))
+    size = ordered.shape[-1]
+    # Ranks are multiples of 1/2, so the normal scores come from a table of 2 * size + 1
+    # values instead of an ndtri per draw; the table entries are arviz's expression exactly.
+    ranks = np.arange(2 * size + 1) / 2
+    scores = ndtri((ranks - _BLOM_OFFSET) / (size - 2 * _BLOM_OFFSET + 1))
+    return scores[doubled_ranks].reshape(x.shape), ordered
+
+
+def _doubled_average_ranks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Twice the 1-based ranks along the last axis, ties sharing their average, and ``x`` sorted.
+
+    Equal to ``2 * scipy.stats.rankdata(x, method="average", axis=-1)`` (integers), several
+    times faster.
+    """
+    num_rows, size = x.shape
+    order = np.argsort(x, axis=-1)
+    ordered = np.sort(x, axis=-1)  # equals x[order], and is much faster than gathering
+    row_offsets = size * np.arange(num_rows)[:, None]
+    starts_group = np.ones(x.shape, dtype=bool)
+    starts_group[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    if starts_group.all():
+        doubled = np.broadcast_to(2 * np.arange(size) + 2, x.shape)
+    else:
+        # A group of ties (which never spans two rows) at flat positions first..last gets
+        # the average rank (first + last) / 2 + 1 relative to its row.
+        flat_starts = starts_group.ravel()
+        first = np.flatnonzero(flat_starts)
+        last = np.append(first[1:], flat_starts.size) - 1
+        group = np.cumsum(flat_starts) - 1
+        doubled = (first + last)[group].reshape(x.shape) - 2 * row_offsets + 2
+    ranks = np.empty(x.size, dtype=np.intp)
+    ranks[(order + row_offsets).ravel()] = doubled.ravel()
+    return ranks.reshape(x.shape), ordered
+
+
+def _sorted_quantile(ordered: np.ndarray, level: float) -> np.ndarray:
+    """numpy's ``"linear"`` quantile of each row of an already sorted array."""
+    size = ordered.shape[-1]
+    virtual = (size - 1) * level
+    below = min(int(np.floor(virtual)), size - 1)
+    above = min(below + 1, size - 1)
+    gamma = virtual - below
+    a, b = ordered[:, below], ordered[:, above]
+    # numpy's _lerp: interpolate from the nearer end so that gamma = 1 returns b exactly.
+    return b - (b - a) * (1 - gamma) if gamma >= 0.5 else a + (b - a) * gamma
+
+
+def _rank_rhat(split: np.ndarray, z_bulk: np.ndarray, ordered: np.ndarray) -> np.ndarray:
+    """max(bulk, tail) R-hat of the split draws, given their z-scores and sorted values."""
+    middle = ordered.shape[-1] // 2  # split chains always hold an even number of draws
+    median = (ordered[:, middle - 1] + ordered[:, middle]) / 2
+    bulk = _split_rhat(z_bulk)
+    tail = _split_rhat(_z_scale(np.abs(split - median[:, None, None]))[0])
+    # arviz takes the builtin max(bulk, tail), which keeps ``bulk`` unless ``tail > bulk``
+    # (so a nan tail never hides a finite or infinite bulk value).
+    return np.where(tail > bulk, tail, bulk)
+
+
+def _ess_tail(split: np.ndarray, ordered: np.ndarray, levels: tuple[float, float]) -> np.ndarray:
+    """min of the ESS of the split indicators ``x <= q``, at the two quantile levels."""
+    low, high = (_ess(split <= _sorted_quantile(ordered, level)[:, None, None]) for level in levels)
+    # arviz takes the builtin min(low, high), which keeps ``low`` unless ``high < low``.
+    return np.where(high < low, high, low)
+
+
+def _split_rhat(z: np.ndarray) -> np.ndarray:
+    """Potential scale reduction of chains ``z``, shaped (coords, chain, draw)."""
+    num_draws = z.shape[-1]
+    between = num_draws * np.var(z.mean(axis=-1), axis=-1, ddof=1)
+    within = np.var(z, axis=-1, ddof=1).mean(axis=-1)
+    return np.sqrt((between / within + num_draws - 1) / num_draws)
+
+
+def _ess(y: np.ndarray) -> np.ndarray:
+    """Effective sample size of chains ``y`` (coords, chain, draw), Geyer-truncated."""
+    y = y.astype(np.float64, copy=False)
+    _, num_chains, num_draws = y.shape
+    size = num_chains * num_draws
+    acov = _mean_autocov(y)
+    mean_var = acov[:, 0] * num_draws / (num_draws - 1.0)
+    var_plus = mean_var * (num_draws - 1.0) / num_draws
+    if num_chains > 1:
+        var_plus = var_plus + np.var(y.mean(axis=-1), axis=-1, ddof=1)
+    rho = 1.0 - (mean_var[:, None] - acov) / var_plus[:, None]
+    rho[:, 0] = 1.0
+    tau = _geyer_tau(rho)
+    min_tau = 1 / np.log10(size)
+    ess = size / np.where(min_tau > tau, min_tau, tau)
+    ess = np.where(np.isnan(rho).any(axis=-1), np.nan, ess)
+    constant = np.ptp(y, axis=(1, 2)) < _CONSTANT_RESOLUTION
+    return np.where(constant, float(size), ess)
+
+
+def _mean_autocov(y: np.ndarray) -> np.ndarray:
+    """Autocovariance at every lag by FFT, averaged over chains: (coords, draw)."""
+    num_draws = y.shape[-1]
+    fft_len = next_fast_len(2 * num_draws)
+    spectrum = rfft(y - y.mean(axis=-1, keepdims=True), n=fft_len, axis=-1)
+    # The inverse FFT is linear, so average the power spectra over chains before inverting.
+    power = (spectrum.real**2 + spectrum.imag**2).mean(axis=1)
+    return irfft(power, n=fft_len, axis=-1)[:, :num_draws] / num_draws
+
+
+def _geyer_tau(rho: np.ndarray) -> np.ndarray:
+    r"""Integrated autocorrelation time from autocorrelations ``rho`` (coords, lag).
+
+    Geyer's initial positive sequence stops at the first pair :math:`P_k = \rho_{2k} +
+    \rho_{2k+1} \le 0` (or at the arviz lag limit), the initial monotone sequence replaces the
+    pair sums kept by their running minimum, and arviz adds the even lag of the stopping pair:
+    :math:`\tau = -1 + 2 \sum_{k < K} \min_{j \le k} P_j + \rho_{2K}` where ``rho_2K`` counts
+    only if positive or if :math:`P_K \ge 0`.
+    """
+    num_coords, num_lags = rho.shape
+    max_pairs = max(0, (num_lags - 3) // 2)
+    even = rho[:, 0 : 2 * max_pairs + 1 : 2]
+    pairs = even + rho[:, 1 : 2 * max_pairs + 2 : 2]
+    if max_pairs == 0:
+        stop = np.zeros(num_coords, dtype=np.intp)
+    else:
+        positive = pairs[:, :max_pairs] > 0
+        stop = np.where(positive.all(axis=-1), max_pairs, np.argmin(positive, axis=-1))
+    kept = np.arange(max_pairs) < stop[:, None]
+    monotone = np.minimum.accumulate(np.where(kept, pairs[:, :max_pairs], np.inf), axis=-1)
+    pair_sum = np.where(kept, monotone, 0.0).sum(axis=-1)
+    rows = np.arange(num_coords)
+    even_last, pair_last = even[rows, stop], pairs[rows, stop]
+    last = np.where((even_last > 0) | (pair_last >= 0), even_last, 0.0)
+    return -1.0 + 2.0 * pair_sum + last
+
+
+# ---------------------------------------------------------------------------------------------
+# DataTree plumbing for ``summary``
+
+
+def _group_dataset(idata: xr.DataTree | xr.Dataset, group: str) -> xr.Dataset:
+    if isinstance(idata, xr.Dataset):
+        return idata
+    if not isinstance(idata, xr.DataTree):
+        raise TypeError(
+            f"idata must be an xarray.DataTree or Dataset (see pyro_bdl.to_arviz), got "
+            f"{type(idata).__name__}"
+        )
+    if group not in idata.children:
+        raise ValueError(
+            f"idata has no group {group!r}; pass group= one of {sorted(idata.children)}"
+        )
+    return idata[group].to_dataset()
+
+
+def _select_variables(dataset: xr.Dataset, var_names: Sequence[str] | None) -> xr.Dataset:
+    if var_names is None:
+        return dataset
+    if isinstance(var_names, str):
+        var_names = [var_names]
+    missing = [name for name in var_names if name not in dataset.data_vars]
+    if missing:
+        raise ValueError(
+            f"var_names {missing} are not in the group; choose from {sorted(dataset.data_vars)}"
+        )
+    return dataset[list(var_names)]
+
+
+def _summarise_variable(
+    array: xr.DataArray, prob: float | tuple[float, float] | None, chunk_size: int, num_threads: int
+) -> xr.DataArray:
+    if "chain" not in array.dims or "draw" not in array.dims:
+        raise ValueError(
+            f"variable {array.name!r} needs 'chain' and 'draw' dimensions, got {array.dims}"
+        )
+    array = array.transpose("chain", "draw", ...)
+    values = array.values
+    diagnostics = diagnose(values, prob, chunk_size=chunk_size, num_threads=num_threads)
+    stats = np.stack(
+        [
+            values.mean(axis=(0, 1), dtype=np.float64),
+            values.std(axis=(0, 1), dtype=np.float64),
+            diagnostics.ess_bulk,
+            diagnostics.ess_tail,
+            diagnostics.rhat,
+        ]
+    )
+    coord_dims = array.dims[2:]
+    coords = {dim: array.coords[dim] for dim in coord_dims if dim in array.coords}
+    return xr.DataArray(
+        stats, dims=("summary", *coord_dims), coords={"summary": list(_SUMMARY_STATS), **coords}
+    )

@@ -1,0 +1,173 @@
+"""PNG figures for the experiments: reliability diagrams and out-of-distribution histograms.
+
+Figures are drawn on a bare :class:`matplotlib.figure.Figure` rendered by Agg, never through
+``pyplot``: nothing is displayed, no global backend is switched, and nothing stays open.
+
+Example::
+
+    reliability_diagram({"SGHMC": (probs, labels), "MAP": (map_probs, labels)}, "rel.png")
+    plot_uncertainty_histograms({"epistemic": (eu_in, eu_ood)}, "ood.png")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import ItemsView, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from pyro_bdl.metrics import ReliabilityCurve, auroc, reliability_curve
+
+__all__ = ["plot_uncertainty_histograms", "reliability_diagram"]
+
+_PANEL_SIZE = 4.0  # inches per panel side
+_DPI = 120
+
+
+def reliability_diagram(
+    results: Mapping[str, tuple | ReliabilityCurve],
+    path: str | os.PathLike,
+    title: str | None = None,
+    num_bins: int = 15,
+) -> Path:
+    """Draw accuracy against confidence per bin, one curve per method, above the bin counts.
+
+    The diagonal is perfect calibration; each method's ECE is in the legend. The lower panel
+    shows how many predictions fall in each confidence bin.
+
+    Example::
+
+        reliability_diagram(
+            {"SGHMC": (probs, labels), "MAP": reliability_curve(map_probs, labels)},
+            "figures/reliability.png",
+            title="IMDB",
+        )
+
+    :param results: method name to ``(probs, labels)`` (see :func:`pyro_bdl.metrics.ece`) or
+        to a precomputed :class:`~pyro_bdl.metrics.ReliabilityCurve`.
+    :type results: dict
+    :param path: where to write the PNG (parent folders are created).
+    :type path: str or os.PathLike
+    :param str title: figure title.
+    :param int num_bins: confidence bins for entries given as ``(probs, labels)``.
+    :returns: the path written.
+    :rtype: pathlib.Path
+    """
+    curves = {
+        name: _as_curve(name, value, num_bins)
+        for name, value in _nonempty(results, "results", "(probs, labels) or a ReliabilityCurve")
+    }
+    path = _png_path(path)
+    fig = Figure(figsize=(_PANEL_SIZE, 1.5 * _PANEL_SIZE), dpi=_DPI, layout="constrained")
+    curve_ax, count_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
+    curve_ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="calibrated")
+    for name, curve in curves.items():
+        filled = curve.count > 0
+        line = curve_ax.plot(
+            curve.confidence[filled].numpy(),
+            curve.accuracy[filled].numpy(),
+            marker="o",
+            label=f"{name} (ECE {curve.ece:.3f})",
+        )[0]
+        count_ax.stairs(curve.count.numpy(), curve.bin_edges.numpy(), color=line.get_color())
+    curve_ax.set(xlim=(0, 1), ylim=(0, 1), ylabel="accuracy", title=title)
+    curve_ax.legend(loc="upper left", fontsize="small")
+    count_ax.set(xlabel="confidence", ylabel="count")
+    fig.savefig(path, format="png")
+    return path
+
+
+def plot_uncertainty_histograms(
+    scores: Mapping[str, tuple],
+    path: str | os.PathLike,
+    bins: int = 30,
+    labels: tuple[str, str] = ("in-distribution", "out-of-distribution"),
+) -> Path:
+    """Histogram an uncertainty score on in- and out-of-distribution inputs, one panel each.
+
+    Each panel title gives the AUROC of the score for detecting out-of-distribution inputs
+    (:func:`pyro_bdl.metrics.auroc` with those inputs as positives).
+
+    Example::
+
+        u_in = uncertainty_decomposition(probs_in)
+        u_ood = uncertainty_decomposition(probs_ood)
+        plot_uncertainty_histograms(
+            {"total": (u_in.total, u_ood.total), "epistemic": (u_in.epistemic, u_ood.epistemic)},
+            "figures/ood.png",
+        )
+
+    :param scores: panel name to ``(in_dist_scores, ood_scores)``, each one-dimensional.
+    :type scores: dict
+    :param path: where to write the PNG (parent folders are created).
+    :type path: str or os.PathLike
+    :param int bins: histogram bins per panel, shared by both distributions.
+    :param tuple labels: legend labels of the two distributions.
+    :returns: the path written.
+    :rtype: pathlib.Path
+    """
+    panels = [
+        (name, *_as_score_pair(name, value))
+        for name, value in _nonempty(scores, "scores", "(in_dist_scores, ood_scores)")
+    ]
+    path = _png_path(path)
+    fig = Figure(
+        figsize=(_PANEL_SIZE * len(panels), 0.75 * _PANEL_SIZE), dpi=_DPI, layout="constrained"
+    )
+    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    for ax, (name, in_dist, ood) in zip(axes, panels, strict=True):
+        both = np.concatenate([in_dist, ood])
+        area = auroc(both, np.concatenate([np.zeros(len(in_dist)), np.ones(len(ood))]))
+        edges = np.histogram_bin_edges(both, bins=bins)
+        for values, label in zip((in_dist, ood), labels, strict=True):
+            ax.hist(values, bins=edges, alpha=0.6, density=True, label=label)
+        ax.set(title=f"{name}: AUROC {area:.3f}", xlabel=name, ylabel="density")
+    axes[0].legend(fontsize="small")
+    fig.savefig(path, format="png")
+    return path
+
+
+def _nonempty(mapping: Mapping, name: str, expected: str) -> ItemsView:
+    if not isinstance(mapping, Mapping) or not mapping:
+        raise ValueError(f"{name} must map at least one method name to {expected}, got {mapping!r}")
+    return mapping.items()
+
+
+def _png_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"path must end in .png, got {str(path)!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _as_curve(name: str, value: tuple | ReliabilityCurve, num_bins: int) -> ReliabilityCurve:
+    if isinstance(value, ReliabilityCurve):
+        return value
+    if isinstance(value, tuple) and len(value) == 2:
+        return reliability_curve(*value, num_bins=num_bins)
+    raise TypeError(
+        f"results[{name!r}] must be (probs, labels) or a ReliabilityCurve, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _as_score_pair(name: str, value: tuple) -> tuple[np.ndarray, np.ndarray]:
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise TypeError(
+            f"scores[{name!r}] must be a pair (in_dist_scores, ood_scores), "
+            f"got {type(value).__name__}"
+        )
+    pair = tuple(
+        np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v, dtype=np.float64)
+        for v in value
+    )
+    if any(v.ndim != 1 or v.size == 0 for v in pair):
+        raise ValueError(
+            f"scores[{name!r}] must hold two non-empty 1-D arrays, got shapes "
+            f"{[v.shape for v in pair]}"
+        )
+    return pair

@@ -1,0 +1,180 @@
+import warnings
+
+import arviz_base
+import arviz_stats
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from pyro_bdl import diagnostics
+
+# Same algorithm, same float64 operations up to summation order: agreement is to rounding.
+RTOL = 1e-10
+
+
+def arviz_reference(samples):
+    """(rhat, ess_bulk, ess_tail) from arviz_stats' defaults, shaped like the coordinates."""
+    with warnings.catch_warnings():
+        # "chain dimension longer than draw dimension", and 0 / 0 on constant coordinates
+        warnings.simplefilter("ignore")
+        idata = arviz_base.from_dict({"posterior": {"w": samples}})
+        return (
+            arviz_stats.rhat(idata)["w"].values,
+            arviz_stats.ess(idata, method="bulk")["w"].values,
+            arviz_stats.ess(idata, method="tail")["w"].values,
+        )
+
+
+def hard_cases(seed, num_chains, num_draws):
+    """Coordinates covering what the diagnostics special-case: (chain, draw, 12)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_chains, num_draws, 12))
+    noise = rng.normal(size=(num_chains, num_draws))
+    for t in range(1, num_draws):  # AR(1) with strong autocorrelation
+        x[:, t, 0] = 0.9 * x[:, t - 1, 0] + noise[:, t]
+    x[:, :, 1] += 2.0 * np.arange(num_chains)[:, None]  # chains that disagree
+    x[:, :, 2] = 3.0  # constant: R-hat nan, ESS = number of draws
+    x[:, :, 3] = np.round(x[:, :, 3])  # many ties
+    x[:, :, 4] = np.arange(num_chains)[:, None]  # constant within chains: R-hat inf
+    x[:, :, 5] = rng.integers(0, 2, size=(num_chains, num_draws))  # binary
+    x[:, :, 6] = np.nan
+    x[0, 1, 7] = np.nan  # a single nan spoils the coordinate
+    x[:, :, 8] = np.exp(3 * x[:, :, 8])  # heavy right tail
+    x[:, :, 9] = np.cumsum(x[:, :, 9], axis=1)  # random walk
+    return x
+
+
+def assert_matches_arviz(samples, **kwargs):
+    expected = arviz_reference(samples)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # too few chains for R-hat
+        actual = diagnostics.diagnose(samples, **kwargs)
+    for name, e, a in zip(diagnostics.Diagnostics._fields, expected, actual, strict=True):
+        assert a.shape == e.shape, name
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=0, equal_nan=True, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "seed, num_chains, num_draws",
+    [(0, 4, 100), (1, 2, 7), (2, 3, 51), (3, 4, 4), (4, 4, 5), (5, 2, 1000), (6, 8, 6)],
+)
+def test_matches_arviz_on_hard_cases(seed, num_chains, num_draws):
+    assert_matches_arviz(hard_cases(seed, num_chains, num_draws))
+
+
+@pytest.mark.parametrize("shape", [(4, 60, 3, 5), (2, 33, 2, 2, 2), (3, 20)])
+def test_matches_arviz_on_any_coordinate_shape(shape):
+    rng = np.random.default_rng(len(shape))
+    samples = rng.standard_t(df=3, size=shape) + rng.normal(
+        size=shape[:1] + (1,) * (len(shape) - 1)
+    )
+    assert_matches_arviz(samples)
+
+
+def test_single_chain_gives_nan_rhat_and_arviz_ess():
+    samples = hard_cases(7, 1, 40)
+    with pytest.warns(UserWarning, match="2 chain"):
+        rhat = diagnostics.rhat(samples)
+    assert np.isnan(rhat).all()
+    assert_matches_arviz(samples)
+
+
+def test_too_few_draws_gives_nan_with_a_warning():
+    with pytest.warns(UserWarning, match="4 draws"):
+        result = diagnostics.diagnose(np.zeros((4, 3, 2)))
+    assert all(np.isnan(values).all() and values.shape == (2,) for values in result)
+
+
+@pytest.mark.parametrize("prob", [0.95, (0.1, 0.7)])
+def test_tail_prob_matches_arviz(prob):
+    samples = hard_cases(8, 4, 50)
+    idata = arviz_base.from_dict({"posterior": {"w": samples}})
+    expected = arviz_stats.ess(idata, method="tail", prob=prob)["w"].values
+    actual = diagnostics.ess_tail(samples, prob)
+    np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=0, equal_nan=True)
+
+
+def test_single_diagnostics_equal_the_combined_pass():
+    samples = hard_cases(9, 4, 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        combined = diagnostics.diagnose(samples)
+        singles = (
+            diagnostics.rhat(samples),
+            diagnostics.ess_bulk(samples),
+            diagnostics.ess_tail(samples),
+        )
+    for c, s in zip(combined, singles, strict=True):
+        np.testing.assert_array_equal(c, s)
+
+
+def test_chunking_and_threads_do_not_change_results():
+    rng = np.random.default_rng(10)
+    samples = rng.normal(size=(4, 40, 100, 100)).cumsum(axis=1)  # 10^4 coordinates
+    samples[:, :, 0, :7] = np.round(samples[:, :, 0, :7])
+    reference = diagnostics.diagnose(samples, chunk_size=10_000, num_threads=1)
+    for chunk_size, num_threads in [(13, 1), (37, 2), (1024, 3)]:
+        result = diagnostics.diagnose(samples, chunk_size=chunk_size, num_threads=num_threads)
+        for r, x in zip(reference, result, strict=True):
+            np.testing.assert_array_equal(x, r)
+            assert x.shape == (100, 100)
+
+
+def test_torch_input_matches_numpy():
+    samples = np.random.default_rng(11).normal(size=(3, 20, 4))
+    for array in (samples, samples.astype(np.float32)):
+        expected = diagnostics.diagnose(array)
+        result = diagnostics.diagnose(torch.from_numpy(array))
+        for e, r in zip(expected, result, strict=True):
+            np.testing.assert_array_equal(r, e)
+
+
+def test_bad_input_is_rejected_with_the_fix():
+    with pytest.raises(ValueError, match=r"samples must be shaped \(chain, draw, \*coords\)"):
+        diagnostics.rhat(np.zeros(10))
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        diagnostics.rhat(np.zeros((2, 10)), chunk_size=0)
+    with pytest.raises(ValueError, match="prob must be"):
+        diagnostics.ess_tail(np.zeros((2, 10)), prob=1.5)
+
+
+def test_summary_matches_arviz_summary():
+    rng = np.random.default_rng(12)
+    posterior = {"w": rng.normal(size=(4, 50, 3, 2)), "b": rng.normal(size=(4, 50))}
+    idata = arviz_base.from_dict({"posterior": posterior})
+    result = diagnostics.summary(idata)
+    expected = arviz_stats.summary(idata, fmt="xarray", round_to="none")
+    assert set(result.data_vars) == {"w", "b"}
+    assert list(result["w"].coords["summary"].values) == [
+        "mean",
+        "sd",
+        "ess_bulk",
+        "ess_tail",
+        "r_hat",
+    ]
+    for name in result.data_vars:
+        for stat in result[name].coords["summary"].values:
+            np.testing.assert_allclose(
+                result[name].sel(summary=stat).values,
+                expected[name].sel(summary=stat).values,
+                rtol=RTOL,
+                err_msg=f"{name} {stat}",
+            )
+
+
+def test_summary_selects_variables_and_formats():
+    rng = np.random.default_rng(13)
+    idata = arviz_base.from_dict(
+        {"posterior": {"w": rng.normal(size=(2, 10, 3)), "b": rng.normal(size=(2, 10))}}
+    )
+    assert list(diagnostics.summary(idata, var_names=["b"]).data_vars) == ["b"]
+    assert isinstance(diagnostics.summary(idata.posterior.to_dataset()), xr.Dataset)
+    frame = diagnostics.summary(idata, fmt="dataframe")
+    assert frame.shape == (4, 5) and "r_hat" in frame.columns
+    with pytest.raises(ValueError, match="var_names"):
+        diagnostics.summary(idata, var_names=["nope"])
+    with pytest.raises(ValueError, match="no group 'prior'"):
+        diagnostics.summary(idata, group="prior")
+    with pytest.raises(ValueError, match="fmt must be"):
+        diagnostics.summary(idata, fmt="json")

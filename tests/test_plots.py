@@ -1,0 +1,59 @@
+import numpy as np
+import pytest
+import torch
+
+from pyro_bdl import metrics, plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+@pytest.fixture
+def classification():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(200, 4, generator=generator, dtype=torch.float64), -1)
+    labels = torch.randint(0, 4, (200,), generator=generator)
+    return probs, labels
+
+
+def test_reliability_diagram_writes_a_png(tmp_path, classification):
+    probs, labels = classification
+    results = {
+        "SGHMC": (probs, labels),
+        "MAP": metrics.reliability_curve(probs**2 / (probs**2).sum(-1, keepdim=True), labels),
+    }
+    path = plots.reliability_diagram(results, tmp_path / "figures" / "rel.png", title="toy")
+    assert path == tmp_path / "figures" / "rel.png"
+    assert_png(path)
+
+
+def test_uncertainty_histograms_write_a_png(tmp_path):
+    rng = np.random.default_rng(0)
+    scores = {
+        "total": (rng.normal(size=100), rng.normal(1.0, size=50)),
+        "epistemic": (torch.rand(100), torch.rand(80) + 0.5),
+    }
+    assert_png(plots.plot_uncertainty_histograms(scores, tmp_path / "ood.png"))
+    single = {"epistemic": (rng.normal(size=30), rng.normal(size=30))}
+    assert_png(plots.plot_uncertainty_histograms(single, tmp_path / "one.png"))
+
+
+def test_bad_input_is_rejected(tmp_path, classification):
+    probs, labels = classification
+    with pytest.raises(ValueError, match="results must map at least one method name"):
+        plots.reliability_diagram({}, tmp_path / "rel.png")
+    with pytest.raises(TypeError, match=r"results\['MAP'\] must be \(probs, labels\)"):
+        plots.reliability_diagram({"MAP": probs}, tmp_path / "rel.png")
+    with pytest.raises(ValueError, match="path must end in .png"):
+        plots.reliability_diagram({"MAP": (probs, labels)}, tmp_path / "rel.pdf")
+    with pytest.raises(ValueError, match="labels must be in"):
+        plots.reliability_diagram({"MAP": (probs, labels + 4)}, tmp_path / "rel.png")
+    with pytest.raises(TypeError, match=r"scores\['eu'\] must be a pair"):
+        plots.plot_uncertainty_histograms({"eu": np.ones(3)}, tmp_path / "ood.png")
+    with pytest.raises(ValueError, match="two non-empty 1-D arrays"):
+        plots.plot_uncertainty_histograms({"eu": (np.ones(3), np.ones((2, 2)))}, tmp_path / "o.png")
+    assert not list(tmp_path.glob("*.png"))
