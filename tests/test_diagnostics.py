@@ -42,6 +42,8 @@ def hard_cases(seed, num_chains, num_draws):
     x[0, 1, 7] = np.nan  # a single nan spoils the coordinate
     x[:, :, 8] = np.exp(3 * x[:, :, 8])  # heavy right tail
     x[:, :, 9] = np.cumsum(x[:, :, 9], axis=1)  # random walk
+    x[:, : num_draws // 2 + 1, 10] = np.inf  # median inf: folding gives inf - inf = nan
+    x[0, 0, 11], x[-1, -1, 11] = np.inf, -np.inf
     return x
 
 
@@ -61,6 +63,16 @@ def assert_matches_arviz(samples, **kwargs):
 )
 def test_matches_arviz_on_hard_cases(seed, num_chains, num_draws):
     assert_matches_arviz(hard_cases(seed, num_chains, num_draws))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_arviz_on_random_small_discrete_draws(seed):
+    rng = np.random.default_rng(100 + seed)
+    num_chains, num_draws = rng.integers(1, 6), rng.integers(4, 30)
+    levels = rng.integers(2, 6)  # few distinct values: ties everywhere
+    samples = rng.integers(0, levels, size=(num_chains, num_draws, 5)).astype(float)
+    samples += rng.integers(0, 2, size=(num_chains, 1, 5))  # chains that may disagree
+    assert_matches_arviz(samples)
 
 
 @pytest.mark.parametrize("shape", [(4, 60, 3, 5), (2, 33, 2, 2, 2), (3, 20)])
@@ -90,7 +102,9 @@ def test_too_few_draws_gives_nan_with_a_warning():
 def test_tail_prob_matches_arviz(prob):
     samples = hard_cases(8, 4, 50)
     idata = arviz_base.from_dict({"posterior": {"w": samples}})
-    expected = arviz_stats.ess(idata, method="tail", prob=prob)["w"].values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # inf - inf in np.quantile
+        expected = arviz_stats.ess(idata, method="tail", prob=prob)["w"].values
     actual = diagnostics.ess_tail(samples, prob)
     np.testing.assert_allclose(actual, expected, rtol=RTOL, atol=0, equal_nan=True)
 
