@@ -60,7 +60,16 @@ _MIN_CHAINS_RHAT = 2
 _BLOM_OFFSET = 3 / 8
 # arviz treats a coordinate whose draws span less than this as constant.
 _CONSTANT_RESOLUTION = np.finfo(float).resolution
-_SUMMARY_STATS = ("mean", "sd", "ess_bulk", "ess_tail", "r_hat")
+# What ``summary`` reports, in arviz's order and names; r_hat is our rhat.
+_SUMMARY_STATS = {
+    "mean": "mean",
+    "sd": "sd",
+    "ess_bulk": "ess_bulk",
+    "ess_tail": "ess_tail",
+    "rhat": "r_hat",
+}
+# Statistics defined for any number of draws, unlike the diagnostics.
+_MOMENTS = ("mean", "sd")
 
 
 class Diagnostics(NamedTuple):
@@ -296,12 +305,13 @@ def _diagnose(
     chunk_size: int,
     num_threads: int,
 ) -> np.ndarray:
-    """The ``wanted`` diagnostics of every coordinate, stacked: ``(len(wanted), *coords)``.
+    """The ``wanted`` statistics of every coordinate, stacked: ``(len(wanted), *coords)``.
 
+    ``wanted`` names come from ``rhat``, ``ess_bulk``, ``ess_tail``, ``mean`` and ``sd``.
     Chunks of float64 blocks ``(coords, chain, draw)`` are cut from ``samples`` inside the
     worker threads (numpy and scipy.fft release the GIL), so at most ``num_threads`` chunks
     are in memory. As in arviz, a coordinate with a ``nan`` draw gets ``nan``, and too few
-    chains or draws give ``nan`` everywhere.
+    chains or draws give ``nan`` diagnostics.
     """
     for name, value in (("chunk_size", chunk_size), ("num_threads", num_threads)):
         if not isinstance(value, int) or value < 1:
@@ -311,6 +321,10 @@ def _diagnose(
     num_chains, num_draws, *coord_shape = draws.shape
     flat = draws.reshape(num_chains, num_draws, -1)
     out = np.full((len(wanted), flat.shape[-1]), np.nan)
+    if num_draws < _MIN_DRAWS:
+        _warn_too_short(num_chains, num_draws, 1)
+    computed = [name for name in wanted if name in _MOMENTS or num_draws >= _MIN_DRAWS]
+    rows = [list(wanted).index(name) for name in computed]
 
     def fill(start: int) -> None:
         block = np.ascontiguousarray(
@@ -318,23 +332,20 @@ def _diagnose(
         )
         # errstate is thread-local; constant coordinates legitimately divide 0 by 0.
         with np.errstate(divide="ignore", invalid="ignore"):
-            values = _diagnose_chunk(block, wanted, levels)
+            values = _diagnose_chunk(block, computed, levels)
         has_nan = np.isnan(block).any(axis=(1, 2))
-        out[:, start : start + block.shape[0]] = np.where(has_nan, np.nan, values)
+        out[rows, start : start + block.shape[0]] = np.where(has_nan, np.nan, values)
 
-    if num_draws < _MIN_DRAWS:
-        _warn_too_short(num_chains, num_draws, 1)
+    starts = range(0, flat.shape[-1], chunk_size) if computed else range(0)
+    if num_threads == 1 or len(starts) <= 1:
+        for start in starts:
+            fill(start)
     else:
-        starts = range(0, flat.shape[-1], chunk_size)
-        if num_threads == 1 or len(starts) == 1:
-            for start in starts:
-                fill(start)
-        else:
-            with ThreadPoolExecutor(num_threads) as pool:
-                list(pool.map(fill, starts))  # list() re-raises a worker's exception
-        if "rhat" in wanted and num_chains < _MIN_CHAINS_RHAT:
-            _warn_too_short(num_chains, num_draws, _MIN_CHAINS_RHAT)
-            out[list(wanted).index("rhat")] = np.nan
+        with ThreadPoolExecutor(num_threads) as pool:
+            list(pool.map(fill, starts))  # list() re-raises a worker's exception
+    if "rhat" in computed and num_chains < _MIN_CHAINS_RHAT:
+        _warn_too_short(num_chains, num_draws, _MIN_CHAINS_RHAT)
+        out[list(wanted).index("rhat")] = np.nan
     return out.reshape(len(wanted), *coord_shape)
 
 
@@ -368,8 +379,10 @@ def _tail_levels(prob: float | tuple[float, float] | None) -> tuple[float, float
 def _diagnose_chunk(
     x: np.ndarray, wanted: Sequence[str], levels: tuple[float, float]
 ) -> np.ndarray:
-    """The ``wanted`` diagnostics of one chunk, sharing the ranking and the sort."""
-    results = {}
+    """The ``wanted`` statistics of one chunk, sharing the ranking and the sort."""
+    results = {"mean": x.mean(axis=(1, 2))} if "mean" in wanted else {}
+    if "sd" in wanted:
+        results["sd"] = x.std(axis=(1, 2))  # ddof=0, as arviz's summary
     split = _split_chains(x)
     ordered = None
     if "rhat" in wanted or "ess_bulk" in wanted:
@@ -575,19 +588,15 @@ def _summarise_variable(
             f"variable {array.name!r} needs 'chain' and 'draw' dimensions, got {array.dims}"
         )
     array = array.transpose("chain", "draw", ...)
-    values = array.values
-    diagnostics = diagnose(values, prob, chunk_size=chunk_size, num_threads=num_threads)
-    stats = np.stack(
-        [
-            values.mean(axis=(0, 1), dtype=np.float64),
-            values.std(axis=(0, 1), dtype=np.float64),
-            diagnostics.ess_bulk,
-            diagnostics.ess_tail,
-            diagnostics.rhat,
-        ]
+    # Moments go through the chunks too: np.std of a whole float32 posterior would allocate
+    # a float64 copy of it.
+    stats = _diagnose(
+        array.values, tuple(_SUMMARY_STATS), prob, chunk_size=chunk_size, num_threads=num_threads
     )
     coord_dims = array.dims[2:]
     coords = {dim: array.coords[dim] for dim in coord_dims if dim in array.coords}
     return xr.DataArray(
-        stats, dims=("summary", *coord_dims), coords={"summary": list(_SUMMARY_STATS), **coords}
+        stats,
+        dims=("summary", *coord_dims),
+        coords={"summary": list(_SUMMARY_STATS.values()), **coords},
     )

@@ -192,3 +192,13 @@ def test_summary_selects_variables_and_formats():
         diagnostics.summary(idata, group="prior")
     with pytest.raises(ValueError, match="fmt must be"):
         diagnostics.summary(idata, fmt="json")
+
+
+def test_summary_of_too_few_draws_keeps_the_moments():
+    samples = np.random.default_rng(14).normal(size=(2, 3, 4))
+    idata = arviz_base.from_dict({"posterior": {"w": samples}})
+    with pytest.warns(UserWarning, match="4 draws"):
+        result = diagnostics.summary(idata)["w"]
+    np.testing.assert_allclose(result.sel(summary="mean"), samples.mean(axis=(0, 1)))
+    np.testing.assert_allclose(result.sel(summary="sd"), samples.std(axis=(0, 1)))
+    assert np.isnan(result.sel(summary=["ess_bulk", "ess_tail", "r_hat"])).all()
