@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import pyro.distributions as dist
 import torch
 
-__all__ = ["Prior", "IIDNormal", "LayerwiseNormal", "normal_prior"]
+__all__ = ["Prior", "IIDNormal", "LayerwiseNormal", "IsotropicNormal", "normal_prior"]
 
 
 @runtime_checkable
@@ -39,13 +39,61 @@ class Prior(Protocol):
 def normal_prior(param: torch.Tensor, loc: float | torch.Tensor, scale: float | torch.Tensor):
     """An independent normal over every entry of a tensor shaped like ``param``.
 
+    The result is ``Normal(loc, scale).expand(param.shape).to_event(param.dim())``; with
+    a scalar ``loc`` and ``scale`` its ``log_prob`` is computed as one inner product
+    instead of elementwise over the expanded parameters (see :class:`IsotropicNormal`).
+
     :param torch.Tensor param: the weight the distribution is for (shape, dtype, device).
     :param loc: mean, a number or a tensor broadcastable to ``param``.
     :param scale: standard deviation, a number or a tensor broadcastable to ``param``.
     """
+    if isinstance(loc, (int, float)) and isinstance(scale, (int, float)):
+        return IsotropicNormal(float(loc), float(scale), param)
     loc = torch.as_tensor(loc, dtype=param.dtype, device=param.device)
     scale = torch.as_tensor(scale, dtype=param.dtype, device=param.device)
     return dist.Normal(loc, scale).expand(param.shape).to_event(param.dim())
+
+
+class IsotropicNormal(dist.Independent):
+    """``Normal(loc, scale)`` on every entry of a tensor, loc and scale numbers.
+
+    It is exactly ``Normal(loc, scale).expand(shape).to_event(len(shape))`` (same
+    ``base_dist``, sampling, KL registrations), but its ``log_prob`` costs one pass over
+    the tensor: ``-||x - loc||^2 / (2 scale^2) - d (log scale + log(2 pi) / 2)``. The
+    generic form takes the log of the expanded scale and several elementwise passes at
+    every evaluation, which for a prior on a million weights costs more than the
+    network's own forward pass.
+
+    :param float loc: the mean of every entry.
+    :param float scale: the standard deviation of every entry.
+    :param torch.Tensor like: a tensor of the event shape, dtype and device.
+    """
+
+    def __init__(self, loc: float, scale: float, like: torch.Tensor, validate_args=None):
+        self.loc_value, self.scale_value = loc, scale
+        base = dist.Normal(
+            torch.tensor(loc, dtype=like.dtype, device=like.device).expand(like.shape),
+            torch.tensor(scale, dtype=like.dtype, device=like.device).expand(like.shape),
+        )
+        super().__init__(base, like.dim(), validate_args=validate_args)
+        self._log_normaliser = like.numel() * (math.log(scale) + 0.5 * math.log(2 * math.pi))
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        centred = value - self.loc_value if self.loc_value else value
+        if value.shape == self.event_shape:
+            flat = centred.reshape(-1)
+            square = torch.dot(flat, flat)
+        else:
+            square = centred.pow(2).flatten(-len(self.event_shape)).sum(-1)
+        return -0.5 * square / self.scale_value**2 - self._log_normaliser
+
+    def expand(self, batch_shape, _instance=None):
+        return dist.Independent(
+            self.base_dist.expand(torch.Size(batch_shape) + self.event_shape),
+            len(self.event_shape),
+        )
 
 
 class IIDNormal:

@@ -117,12 +117,3 @@ def test_prior_with_wrong_shape_is_rejected():
     net = bdl.lift(_mlp(), prior=Bad())
     with pytest.raises(ValueError, match="batch shape"):
         net(torch.randn(1, 3))
-
-
-def test_layerwise_fan_in_prior():
-    prior = bdl.priors.LayerwiseNormal.fan_in(gain=2.0, bias_scale=0.3)
-    assert prior.scale_of("w", torch.zeros(4, 16)) == pytest.approx(0.5)
-    assert prior.scale_of("b", torch.zeros(4)) == pytest.approx(0.3)
-    mapping = bdl.priors.LayerwiseNormal({"a": 0.1})
-    with pytest.raises(KeyError, match="no scale for 'b'"):
-        mapping.scale_of("b", torch.zeros(1))
