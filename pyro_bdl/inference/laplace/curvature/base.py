@@ -1,0 +1,113 @@
+r"""The one curvature interface behind every Laplace structure.
+
+A :class:`Curvature` accumulates, over one pass of the data, the curvature
+:math:`H = \sum_{i=1}^N J_i^\top V_i V_i^\top J_i` of the log likelihood (the GGN or a
+Fisher, see :mod:`~pyro_bdl.inference.laplace.observation`) in its own structure, and
+turns it into :class:`GaussianBlock`\ s of the posterior precision
+
+.. math:: P = H + \operatorname{diag}(\delta), \qquad \Sigma = T P^{-1},
+
+where :math:`\delta` is the prior precision and :math:`T` the temperature. Scaling with
+the data-set size is explicit and the same for every structure: each batch adds its
+examples' unscaled sum, and after the pass the sum is multiplied by
+:math:`N / n_\text{seen}` (1 after a full pass over ``N`` examples).
+
+A block covers one or more latent sites and answers everything the guide asks of the
+Gaussian, given the prior precisions ``delta`` (site -> tensor broadcastable to the
+site): its log determinant (evidence), a square root of the covariance (sampling), a
+quadratic form (log density), :math:`J P^{-1} J^\top` from per-example Jacobians
+(linearised predictive), marginal variances, and the tensors to export.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyro_bdl.inference.laplace.jacobians import SiteGradient
+from pyro_bdl.inference.laplace.observation import FISHERS
+
+__all__ = ["Curvature", "GaussianBlock"]
+
+Delta = dict[str, torch.Tensor]
+
+
+class GaussianBlock:
+    """A block of the posterior precision over the latent sites ``sites``."""
+
+    sites: tuple[str, ...]
+
+    def log_det(self, delta: Delta) -> torch.Tensor:
+        """:math:`\\log\\det P` of the block."""
+        raise NotImplementedError
+
+    def sample(self, noise: dict[str, torch.Tensor], delta: Delta) -> dict[str, torch.Tensor]:
+        """:math:`P^{-1/2} z` for standard normal ``noise`` shaped ``(S, *site_shape)``.
+
+        The square root is symmetric, so :math:`\\|z\\|^2` is the quadratic form of the
+        result.
+        """
+        raise NotImplementedError
+
+    def quadratic(self, x: dict[str, torch.Tensor], delta: Delta) -> torch.Tensor:
+        """:math:`x^\\top P x` for ``x`` shaped ``(S, *site_shape)``; returns ``(S,)``."""
+        raise NotImplementedError
+
+    def output_covariance(self, grads: dict[str, SiteGradient], delta: Delta) -> torch.Tensor:
+        """:math:`J_i P^{-1} J_i^\\top` per example from the Jacobian rows ``grads``.
+
+        :return: ``(B, K, K)`` for ``K`` Jacobian rows (gradient columns) per example.
+        """
+        raise NotImplementedError
+
+    def variance(self, delta: Delta) -> dict[str, torch.Tensor]:
+        """The diagonal of :math:`P^{-1}`, per site."""
+        raise NotImplementedError
+
+    def restrict(self, site: str) -> GaussianBlock:
+        """The block of :math:`P` belonging to one site (cross-site terms dropped)."""
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The curvature's tensors, named ``"<site>.<what>"``, for export."""
+        raise NotImplementedError
+
+
+class Curvature:
+    """Accumulates the log-likelihood curvature of the latent sites over batches.
+
+    Subclasses implement :meth:`update` and :meth:`blocks`; they inherit the choice of
+    ``fisher`` (which columns :math:`V` the likelihood gives).
+
+    :param str fisher: ``"ggn"`` (exact generalised Gauss-Newton), ``"ef"`` (empirical
+        Fisher) or ``"mc"`` (Monte Carlo Fisher).
+    :param int num_samples: labels drawn per example for ``fisher="mc"``.
+    """
+
+    name = "curvature"
+
+    def __init__(self, fisher: str = "ggn", num_samples: int = 1):
+        if fisher not in FISHERS:
+            raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        self.fisher = fisher
+        self.num_samples = num_samples
+
+    def begin(self, values: dict[str, torch.Tensor]) -> None:
+        """Start a pass for latent sites at ``values`` (name -> MAP value)."""
+        self.values = values
+
+    def update(self, grads: dict[str, SiteGradient]) -> None:
+        """Add one batch, given its per-example gradients of every column."""
+        raise NotImplementedError
+
+    def blocks(self, scale: float) -> list[GaussianBlock]:
+        """The accumulated curvature times ``scale`` (:math:`N / n_\\text{seen}`)."""
+        raise NotImplementedError
+
+    def hyperparameters(self) -> dict:
+        """The structure's settings, JSON-serialisable."""
+        return {"curvature": self.name, "fisher": self.fisher, "fisher_samples": self.num_samples}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(fisher={self.fisher!r})"

@@ -1,0 +1,626 @@
+r"""The Laplace approximation as a Pyro guide.
+
+:class:`LaplaceGuide` turns a MAP fit into the Gaussian
+:math:`q(\theta) = \mathcal{N}(\theta_\text{MAP}, T P^{-1})` over the latent sites of a
+Pyro model (the weights :func:`pyro_bdl.lift` makes random, or plain ``pyro.sample``
+sites with normal priors), with :math:`P = H + \operatorname{diag}(\delta)`: :math:`H` a
+curvature of the log likelihood at the MAP (diagonal, K-FAC, low-rank K-FAC or dense;
+GGN or Fisher), :math:`\delta` the prior precision and :math:`T` the temperature
+(posteriors paper, section 2 and Appendix A.1; Laplace-LoRA, section 3.2).
+
+It is an :class:`~pyro.infer.autoguide.AutoGuide`: calling it draws every site from
+:math:`q`, so ``Predictive(model, guide=guide, num_samples=S)`` gives the sampled-weights
+predictive and ``bdl.to_arviz(guide, num_samples=S)`` exports draws. The linearised
+predictive, the evidence, prior-precision tuning and the posterior-as-prior live here as
+methods.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro.distributions import constraints
+from pyro.infer.autoguide import AutoGuide
+from tqdm.auto import tqdm
+
+from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
+from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
+from pyro_bdl.inference.laplace.jacobians import ModelJacobians
+from pyro_bdl.inference.laplace.predictive import (
+    LINKS,
+    laplace_bridge,
+    mc_probabilities,
+    probit,
+)
+from pyro_bdl.inference.laplace.prior import LaplacePrior
+from pyro_bdl.inference.map import fit_map
+from pyro_bdl.inference.minibatch import Minibatches
+from pyro_bdl.lift import init_to_module
+
+__all__ = ["LaplaceGuide"]
+
+PriorPrecision = float | Mapping[str, float | torch.Tensor] | None
+
+
+class LaplaceGuide(AutoGuide):
+    r"""Laplace approximation :math:`\mathcal{N}(\theta_\text{MAP}, T P^{-1})` of a model's weights.
+
+    :meth:`fit` finds the MAP (Adam on the minibatch log joint, or the current values with
+    ``map=False``) and makes one pass over the DataLoader arguments to accumulate the
+    curvature :math:`H`, the sum over the data set of :math:`J_i^\top V_i V_i^\top J_i`
+    (see :mod:`~pyro_bdl.inference.laplace.curvature`). The posterior precision is
+
+    .. math:: P = H + \operatorname{diag}(\delta), \qquad \Sigma = T P^{-1},
+
+    with :math:`\delta = 1/\sigma^2` from the model's normal priors unless
+    ``prior_precision`` overrides it. :math:`T` tempers the whole posterior,
+    :math:`p(\theta \mid \mathcal{D})^{1/T}`, as the SGMCMC kernels do.
+
+    Curvatures: ``"diag_ggn"``, ``"diag_ef"``, ``"kron"`` (K-FAC per linear layer, the
+    default, as in Laplace-LoRA), ``"kron_lowrank"`` (rank-16 large factors) and
+    ``"full"``; or an instance such as ``KronLowRank(rank=8)`` or ``Kron(fisher="mc")``.
+
+    **References**
+
+    - A. X. Yang, M. Robeyns, X. Wang, L. Aitchison, *Bayesian low-rank adaptation for
+      large language models*, ICLR 2024.
+    - E. Daxberger et al., *Laplace redux: effortless Bayesian deep learning*, NeurIPS 2021.
+    - S. Duffield et al., *Scalable Bayesian learning with posteriors*, ICLR 2025.
+
+    Example::
+
+        net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(0.2), random="lora_")
+        net.module.eval()                        # no dropout in the curvature pass
+
+        def model(batch, num_data):
+            logits = net(input_ids=batch["input_ids"],
+                         attention_mask=batch["attention_mask"]).logits
+            bdl.observe("y", dist.Categorical(logits=logits), batch.get("labels"), num_data)
+            return logits
+
+        guide = LaplaceGuide(model, curvature="kron")
+        guide.fit(train_loader, len(train_set), map=False)   # a fine-tuned checkpoint
+        guide.optimize_prior_precision("marglik")
+        probs = guide.predictive(test_batch, len(train_set), link="mc")
+        draws = Predictive(model, guide=guide, num_samples=20)(test_batch, len(train_set))
+
+    :param callable model: a Pyro model with one ``bdl.observe`` site and latent sites
+        with normal priors, outside plates.
+    :param curvature: a curvature name or :class:`Curvature` instance.
+    :param prior_precision: :math:`\delta`: None (from the model's priors), one positive
+        number for every site, or a dict site -> number or tensor (others from the priors).
+    :param float temperature: :math:`T > 0`.
+    :param callable init_loc_fn: where the MAP search starts and, with ``map=False``, the
+        values kept (default: the module's weights for lifted sites).
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        curvature: str | Curvature = "kron",
+        *,
+        prior_precision: PriorPrecision = None,
+        temperature: float = 1.0,
+        init_loc_fn: Callable = init_to_module,
+    ):
+        super().__init__(pyro.infer.autoguide.initialization.InitMessenger(init_loc_fn)(model))
+        self._laplace_model = (model,)  # a tuple keeps nn.Module from registering it
+        self.curvature = make_curvature(curvature)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.temperature = float(temperature)
+        self.init_loc_fn = init_loc_fn
+        self._prior_precision_arg = prior_precision
+        self._blocks = None
+
+    # -- fitting ---------------------------------------------------------------------
+
+    def fit(
+        self,
+        *args,
+        map: bool | Mapping[str, torch.Tensor] = True,
+        num_steps: int = 1000,
+        optimizer: pyro.optim.PyroOptim | None = None,
+        progress: bool = True,
+        **kwargs,
+    ) -> LaplaceGuide:
+        """Find the MAP and accumulate the curvature in one pass over the data.
+
+        :param args: the model's arguments; a DataLoader stands for its batches.
+        :param map: True: maximise the log joint with
+            :func:`~pyro_bdl.inference.fit_map` (``num_steps`` minibatch steps of
+            ``optimizer``, Adam lr 1e-3 by default); False: keep the current values
+            (a fine-tuned checkpoint); a dict: these site values.
+        :param int num_steps: MAP optimisation steps.
+        :param optimizer: a ``pyro.optim`` optimiser for the MAP.
+        :param bool progress: show progress bars.
+        :return: the guide, fitted.
+        """
+        batches = Minibatches(args, kwargs)
+        first_args, first_kwargs = batches.peek()
+        self._setup_prototype(*first_args, **first_kwargs)
+        model = self._laplace_model[0]
+        if map is True:
+            values = fit_map(
+                model,
+                *args,
+                num_steps=num_steps,
+                optimizer=optimizer,
+                init_loc_fn=self.init_loc_fn,
+                progress=progress,
+                **kwargs,
+            )
+        elif map is False:
+            values = {name: site["value"] for name, site in self._sites.items()}
+        elif isinstance(map, Mapping):
+            missing = [name for name in self._sites if name not in map]
+            if missing:
+                raise ValueError(f"fit(map=...): no value for the latent sites {missing[:5]}")
+            values = {name: torch.as_tensor(map[name]) for name in self._sites}
+        else:
+            raise TypeError(f"map must be True, False or a dict of site values, got {map!r}")
+        self._loc = {name: value.detach().clone() for name, value in values.items()}
+        self._accumulate(model, batches, progress)
+        return self
+
+    def _setup_prototype(self, *args, **kwargs) -> None:
+        super()._setup_prototype(*args, **kwargs)
+        self._sites = dict(self.prototype_trace.iter_stochastic_nodes())
+        if not self._sites:
+            raise ValueError("LaplaceGuide: the model has no latent sample sites")
+        self._prior_loc = {}
+        model_precision = {}
+        for name, site in self._sites.items():
+            if site["cond_indep_stack"]:
+                raise ValueError(
+                    f"LaplaceGuide: latent site {name!r} is inside plate "
+                    f"{site['cond_indep_stack'][0].name!r}; declare weights outside plates "
+                    "(use .to_event() for their shape)"
+                )
+            if not _is_real(site["fn"].support):
+                raise ValueError(
+                    f"LaplaceGuide: latent site {name!r} has support {site['fn'].support}; "
+                    "the Laplace approximation needs real-valued weights"
+                )
+            loc, scale = _normal_prior(name, site["fn"], site["value"])
+            self._prior_loc[name] = loc
+            model_precision[name] = scale.reciprocal().square()
+        self._model_precision = model_precision
+        self.prior_precision = self._prior_precision_arg
+
+    def _accumulate(self, model: Callable, batches: Minibatches, progress: bool) -> None:
+        jacobians = ModelJacobians(model, self._loc)
+        curvature = self.curvature
+        curvature.begin(self._loc)
+        log_likelihood, seen, num_data = 0.0, 0, None
+        bar = tqdm(
+            batches.one_pass(),
+            total=batches.batches_per_epoch,
+            desc=f"Laplace {curvature.name}",
+            disable=not progress,
+            leave=False,
+        )
+        for args, kwargs in bar:
+            run = jacobians(args, kwargs)
+            observation = run.observation
+            if num_data is not None and observation.num_data != num_data:
+                raise ValueError(
+                    f"the observed site's num_data changed between batches ({num_data} then "
+                    f"{observation.num_data}); pass num_data=<size of the training set> to "
+                    "bdl.observe"
+                )
+            num_data = observation.num_data
+            columns = observation.columns(curvature.fisher, curvature.num_samples)
+            curvature.update(run.gradients(columns))
+            log_likelihood = log_likelihood + observation.log_likelihood().detach()
+            seen += observation.num_examples
+        # One scaling for every structure: the pass's sums stand for N examples.
+        scale = num_data / seen
+        self._blocks = curvature.blocks(scale)
+        self._log_likelihood = log_likelihood * scale
+        self.num_data = num_data
+        self._jacobians = jacobians
+        for block in self._blocks:
+            block.log_det(self._prior_precision)  # checks the prior suits the structure
+
+    def _check_fitted(self) -> None:
+        if self._blocks is None:
+            raise RuntimeError("LaplaceGuide: call guide.fit(...) first")
+
+    # -- the prior precision ---------------------------------------------------------
+
+    @property
+    def prior_precision(self) -> dict[str, torch.Tensor]:
+        """:math:`\\delta` per site: a 0-dim tensor, or one shaped like the site."""
+        return dict(self._prior_precision)
+
+    @prior_precision.setter
+    def prior_precision(self, value: PriorPrecision) -> None:
+        precision = dict(self._model_precision)
+        if isinstance(value, Mapping):
+            unknown = [name for name in value if name not in precision]
+            if unknown:
+                raise ValueError(f"prior_precision names unknown sites {unknown[:5]}")
+            precision.update({name: torch.as_tensor(v) for name, v in value.items()})
+        elif value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+                raise TypeError(
+                    f"prior_precision must be None, a number or a dict, got {type(value).__name__}"
+                )
+            precision = {name: torch.as_tensor(value) for name in precision}
+        checked = {}
+        for name, delta in precision.items():
+            like = self._sites[name]["value"]
+            delta = delta.to(dtype=like.dtype, device=like.device)
+            if not bool((delta > 0).all()) or not bool(torch.isfinite(delta).all()):
+                raise ValueError(
+                    f"prior_precision of {name!r} must be positive and finite, got {delta}"
+                )
+            if delta.numel() > 1 and bool((delta == delta.flatten()[0]).all()):
+                delta = delta.flatten()[0]
+            checked[name] = delta.detach()
+        self._prior_precision = checked
+
+    # -- the Gaussian ----------------------------------------------------------------
+
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Draw every latent site from :math:`q` (one joint draw per call)."""
+        self._check_fitted()
+        draws, log_densities = self._draw(1)
+        result = {}
+        for block, log_density in zip(self._blocks, log_densities):
+            for k, name in enumerate(block.sites):
+                value = draws[name][0]
+                density = log_density[0] if k == 0 else 0.0
+                result[name] = pyro.sample(
+                    name, dist.Delta(value, log_density=density, event_dim=value.dim())
+                )
+        return result
+
+    def _draw(self, num_samples: int, generator: torch.Generator | None = None):
+        """``num_samples`` joint draws and each block's log density at them."""
+        draws, log_densities = {}, []
+        root_t = math.sqrt(self.temperature)
+        for block in self._blocks:
+            noise = {
+                name: torch.randn(
+                    num_samples,
+                    *self._loc[name].shape,
+                    dtype=self._loc[name].dtype,
+                    device=self._loc[name].device,
+                    generator=generator,
+                )
+                for name in block.sites
+            }
+            offsets = block.sample(noise, self._prior_precision)
+            size = 0
+            squared = 0.0
+            for name in block.sites:
+                draws[name] = self._loc[name] + root_t * offsets[name]
+                size += noise[name][0].numel()
+                squared = squared + noise[name].square().flatten(1).sum(1)
+            log_det = block.log_det(self._prior_precision) - size * math.log(self.temperature)
+            log_densities.append(0.5 * (log_det - size * math.log(2 * math.pi) - squared))
+        return draws, log_densities
+
+    def sample_posterior(
+        self, num_samples: int, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``num_samples`` joint draws of every site, shaped ``(num_samples, *shape)``."""
+        self._check_fitted()
+        return self._draw(num_samples, generator)[0]
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """:math:`\\theta_\\text{MAP}`, the mean (and median) of every site."""
+        self._check_fitted()
+        return {name: value.clone() for name, value in self._loc.items()}
+
+    def variance(self) -> dict[str, torch.Tensor]:
+        """The marginal variance of every entry, the diagonal of :math:`T P^{-1}`."""
+        self._check_fitted()
+        result = {}
+        for block in self._blocks:
+            for name, variance in block.variance(self._prior_precision).items():
+                result[name] = self.temperature * variance.expand(self._loc[name].shape)
+        return result
+
+    @torch.no_grad()
+    def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """Marginal quantiles of every site, shaped ``(len(quantiles), *shape)``."""
+        variance = self.variance()
+        q = torch.as_tensor(quantiles)
+        result = {}
+        for name, loc in self._loc.items():
+            normal = dist.Normal(loc, variance[name].sqrt())
+            result[name] = normal.icdf(q.to(loc).reshape((-1,) + (1,) * loc.dim()))
+        return result
+
+    # -- the linearised predictive ---------------------------------------------------
+
+    def output_distribution(
+        self, *args, prior_precision: PriorPrecision = None, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Gaussian of the model's output under the linearised network.
+
+        :math:`f(x_*) \\sim \\mathcal{N}(f_{\\theta_\\text{MAP}}(x_*), J_* \\Sigma J_*^\\top)`,
+        one vector-Jacobian product per output, :math:`\\Sigma` never formed.
+        DataLoader arguments are concatenated over one pass.
+
+        :return: mean ``(B, K)`` and covariance ``(B, K, K)`` of the model's returned
+            tensor (logits for a classifier).
+        """
+        delta = self._resolve(prior_precision)
+        means, covariances = [], []
+        for batch_args, batch_kwargs in Minibatches(args, kwargs).one_pass():
+            mean, grads, _ = self._linearize(batch_args, batch_kwargs)
+            means.append(mean)
+            covariances.append(self._covariance(grads, delta))
+        return torch.cat(means), torch.cat(covariances)
+
+    def predictive(
+        self,
+        *args,
+        link: str = "mc",
+        num_samples: int = 100,
+        return_samples: bool = False,
+        generator: torch.Generator | None = None,
+        prior_precision: PriorPrecision = None,
+        progress: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Class probabilities of the linearised (GLM) predictive.
+
+        See :mod:`~pyro_bdl.inference.laplace.predictive` for the links. The model must
+        return logits shaped ``(B, C)``. DataLoader arguments are concatenated over one
+        pass.
+
+        :param str link: ``"mc"`` (joint logit samples, the default), ``"probit"`` or
+            ``"bridge"``.
+        :param int num_samples: logit draws for ``"mc"``.
+        :param bool return_samples: return the per-draw class probabilities
+            ``(S, B, C)`` (``"mc"`` only), as :func:`pyro_bdl.predict_proba` does, for the
+            aleatoric/epistemic split; otherwise their mean ``(B, C)``.
+        :param generator: random generator for ``"mc"``.
+        :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
+        """
+        if link not in LINKS:
+            raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+        if return_samples and link != "mc":
+            raise ValueError(f"return_samples=True needs link='mc', got link={link!r}")
+        delta = self._resolve(prior_precision)
+        batches = Minibatches(args, kwargs)
+        results = []
+        bar = tqdm(
+            batches.one_pass(),
+            total=batches.batches_per_epoch,
+            desc="GLM predictive",
+            disable=not progress,
+            leave=False,
+        )
+        for batch_args, batch_kwargs in bar:
+            mean, grads, _ = self._linearize(batch_args, batch_kwargs)
+            covariance = self._covariance(grads, delta)
+            probs = _link(link, mean, covariance, num_samples, generator)
+            results.append(probs if return_samples or link != "mc" else probs.mean(0))
+        return torch.cat(results, dim=-2)
+
+    def _linearize(self, args: tuple, kwargs: dict):
+        """The model's output at the MAP, its per-example Jacobian rows, the run."""
+        self._check_fitted()
+        run = self._jacobians(args, kwargs, output="return")
+        output = run.output
+        if output.dim() != 2:
+            raise ValueError(
+                "the linearised predictive needs a model returning logits shaped "
+                f"(batch, classes), got shape {tuple(output.shape)}"
+            )
+        num_outputs = output.shape[1]
+        eye = torch.eye(num_outputs, dtype=output.dtype, device=output.device)
+        columns = eye.unsqueeze(1).expand(num_outputs, *output.shape)
+        return output.detach(), run.gradients(columns), run
+
+    def _covariance(self, grads, delta) -> torch.Tensor:
+        total = sum(block.output_covariance(grads, delta) for block in self._blocks)
+        return self.temperature * total
+
+    # -- evidence and prior precision ------------------------------------------------
+
+    def _resolve(self, prior_precision: PriorPrecision) -> dict[str, torch.Tensor]:
+        if prior_precision is None:
+            return self._prior_precision
+        saved = self._prior_precision
+        self.prior_precision = prior_precision
+        resolved, self._prior_precision = self._prior_precision, saved
+        return resolved
+
+    def log_marginal_likelihood(self, prior_precision: PriorPrecision = None) -> torch.Tensor:
+        """The Laplace evidence (see :mod:`~pyro_bdl.inference.laplace.evidence`).
+
+        :math:`\\log p(\\mathcal{D} \\mid \\theta_\\text{MAP}) + \\log p(\\theta_\\text{MAP})
+        + \\frac{d}{2}\\log 2\\pi - \\frac{1}{2}\\log\\det P` with the prior
+        :math:`\\mathcal{N}(\\mu_0, \\delta^{-1})`, at temperature 1.
+
+        :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
+        """
+        self._check_fitted()
+        return log_marginal_likelihood(
+            self._log_likelihood,
+            self._blocks,
+            self._loc,
+            self._prior_loc,
+            self._resolve(prior_precision),
+        )
+
+    def optimize_prior_precision(
+        self,
+        method: str = "marglik",
+        *val_args,
+        structure: str = "scalar",
+        num_steps: int = 100,
+        lr: float = 0.1,
+        grid: torch.Tensor | None = None,
+        link: str = "probit",
+        num_samples: int = 100,
+        progress: bool = False,
+        **val_kwargs,
+    ) -> dict[str, torch.Tensor]:
+        """Tune :math:`\\delta` without refitting the curvature.
+
+        ``"marglik"`` maximises the evidence by Adam on :math:`\\log\\delta` (Laplace-LoRA
+        uses lr 0.1); ``"gridsearch"`` picks the scalar :math:`\\delta` on ``grid`` with
+        the lowest negative log likelihood of the linearised predictive on the validation
+        data ``val_args`` (the model's arguments, labels observed).
+
+        Example::
+
+            guide.optimize_prior_precision("marglik", structure="layer")
+            guide.optimize_prior_precision("gridsearch", val_loader, num_data)
+
+        :param str structure: ``"scalar"`` (one :math:`\\delta`) or ``"layer"`` (one per
+            latent site), for ``"marglik"``.
+        :param int num_steps: Adam steps for ``"marglik"``.
+        :param float lr: Adam learning rate for ``"marglik"``.
+        :param torch.Tensor grid: candidate values for ``"gridsearch"`` (default
+            ``logspace(-4, 4, 41)``).
+        :param str link: the predictive's link for ``"gridsearch"``.
+        :param int num_samples: logit draws if ``link="mc"``.
+        :return: the new prior precision per site.
+        """
+        self._check_fitted()
+        if method == "marglik":
+            if val_args or val_kwargs:
+                raise ValueError("method='marglik' uses the training data only; drop val_args")
+            if structure not in ("scalar", "layer"):
+                raise ValueError(f"structure must be 'scalar' or 'layer', got {structure!r}")
+            sites = list(self._loc)
+            groups = {"all": sites} if structure == "scalar" else {s: [s] for s in sites}
+            init = {
+                group: torch.stack([self._prior_precision[s].mean() for s in members]).mean()
+                for group, members in groups.items()
+            }
+            self._prior_precision = maximise_evidence(
+                self.log_marginal_likelihood, groups, init, num_steps, lr
+            )
+        elif method == "gridsearch":
+            if not val_args and not val_kwargs:
+                raise ValueError(
+                    "method='gridsearch' needs the validation data: "
+                    "optimize_prior_precision('gridsearch', val_loader, num_data)"
+                )
+            self._prior_precision = self._gridsearch(
+                val_args, val_kwargs, grid, link, num_samples, progress
+            )
+        else:
+            raise ValueError(f"method must be 'marglik' or 'gridsearch', got {method!r}")
+        return self.prior_precision
+
+    def _gridsearch(self, args, kwargs, grid, link, num_samples, progress):
+        if link not in LINKS:
+            raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+        like = next(iter(self._loc.values()))
+        grid = torch.logspace(-4, 4, 41) if grid is None else torch.as_tensor(grid)
+        grid = grid.to(like)
+        if not bool((grid > 0).all()):
+            raise ValueError("grid: prior precisions must be positive")
+        nll = torch.zeros(len(grid), dtype=like.dtype, device=like.device)
+        generator = torch.Generator(device=like.device).manual_seed(0)
+        batches = Minibatches(args, kwargs)
+        bar = tqdm(batches.one_pass(), total=batches.batches_per_epoch, disable=not progress)
+        for batch_args, batch_kwargs in bar:
+            mean, grads, run = self._linearize(batch_args, batch_kwargs)
+            labels = run.observation.value
+            if not run.observation.is_observed:
+                raise ValueError("gridsearch: the validation batches must carry labels")
+            for k, value in enumerate(grid):
+                delta = {site: value for site in self._loc}
+                probs = _link(link, mean, self._covariance(grads, delta), num_samples, generator)
+                probs = probs.mean(0) if link == "mc" else probs
+                picked = probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+                nll[k] -= picked.clamp(min=torch.finfo(probs.dtype).tiny).log().sum()
+        best = grid[int(nll.argmin())]
+        return {site: best.clone() for site in self._loc}
+
+    # -- continual learning and export -----------------------------------------------
+
+    def as_prior(self, prefix: str = "") -> LaplacePrior:
+        """This posterior as a prior for :func:`pyro_bdl.lift` (continual learning).
+
+        :param str prefix: the ``prefix`` of the :func:`~pyro_bdl.lift` call.
+        """
+        self._check_fitted()
+        blocks = {name: block.restrict(name) for block in self._blocks for name in block.sites}
+        loc = {name: value.clone() for name, value in self._loc.items()}
+        return LaplacePrior(loc, blocks, self.prior_precision, self.temperature, prefix)
+
+    def approximation_parameters(self) -> dict[str, torch.Tensor]:
+        """The Gaussian's parameters, for ``bdl.to_arviz``.
+
+        Per site ``"<site>.loc"`` (MAP), ``"<site>.scale"`` (marginal standard deviation)
+        and ``"<site>.prior_precision"``, plus the curvature's own tensors (diagonals,
+        Kronecker eigendecompositions, or the dense matrix).
+        """
+        self._check_fitted()
+        variance = self.variance()
+        result = {}
+        for name, loc in self._loc.items():
+            result[f"{name}.loc"] = loc.clone()
+            result[f"{name}.scale"] = variance[name].sqrt()
+            result[f"{name}.prior_precision"] = self._prior_precision[name].clone()
+        for block in self._blocks:
+            result.update({key: value.detach().clone() for key, value in block.tensors().items()})
+        return result
+
+    def hyperparameters(self) -> dict:
+        """The guide's settings and evidence, JSON-serialisable."""
+        self._check_fitted()
+        precision = {
+            name: float(delta) if delta.numel() == 1 else "per-entry (from the model's prior)"
+            for name, delta in self._prior_precision.items()
+        }
+        values = set(precision.values())
+        return {
+            "method": "LaplaceGuide",
+            **self.curvature.hyperparameters(),
+            "temperature": self.temperature,
+            "num_data": self.num_data,
+            "num_params": sum(value.numel() for value in self._loc.values()),
+            "prior_precision": values.pop() if len(values) == 1 else precision,
+            "log_marginal_likelihood": float(self.log_marginal_likelihood().detach()),
+        }
+
+
+def _link(link, mean, covariance, num_samples, generator) -> torch.Tensor:
+    if link == "mc":
+        return mc_probabilities(mean, covariance, num_samples, generator)
+    if link == "probit":
+        return probit(mean, covariance)
+    return laplace_bridge(mean, covariance)
+
+
+def _is_real(support) -> bool:
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support is constraints.real
+
+
+def _normal_prior(name: str, fn, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (loc, scale) of a latent site's independent normal prior, shaped like it."""
+    base = fn
+    while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
+        base = base.base_dist
+    if not isinstance(base, torch.distributions.Normal):
+        raise ValueError(
+            f"LaplaceGuide: the prior of {name!r} is {type(fn).__name__}; the Laplace prior "
+            "term needs an independent Normal (bdl.priors.IIDNormal, LayerwiseNormal, or "
+            "the as_prior() of a diagonal Laplace guide)"
+        )
+    loc = base.loc.detach().expand(value.shape)
+    scale = base.scale.detach().expand(value.shape)
+    return loc, scale

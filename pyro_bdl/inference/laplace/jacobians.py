@@ -1,0 +1,399 @@
+r"""Per-example gradients of a Pyro model's output along chosen cotangents.
+
+Every Laplace quantity is built from :math:`g_{c,i} = J_i^\top v_{c,i}`: the gradient,
+for example :math:`i`, of the model output contracted with a cotangent column
+:math:`v_c` (a column of the likelihood Hessian's square root for the curvature, a unit
+vector per class for the linearised predictive), with respect to each latent site.
+One forward pass and one backward pass per column give them for a whole batch:
+
+* a site used as the weight or bias of :func:`torch.nn.functional.linear` (every
+  ``nn.Linear``, LoRA's A and B included) is handled in factored form. A
+  :class:`~torch.overrides.TorchFunctionMode` records each call's input :math:`a` and
+  output :math:`s`; the backward pass gives :math:`b = \partial (v^\top f) / \partial s`
+  for the whole batch, and :math:`g_i = \sum_t b_{i,t} a_{i,t}^\top` sums over the
+  positions :math:`t` that share the weight (tokens, time steps, repeated calls).
+  K-FAC uses :math:`a` and :math:`b` directly. Recording calls rather than hooking
+  modules needs no handle on the network, so it serves lifted modules and plain
+  ``pyro.sample`` weights alike;
+* any other site gets dense per-example gradients from :func:`torch.func.vmap` over
+  examples of :func:`torch.func.vjp` of the model run on one example (the model must
+  be vmappable, as the hand-written CNN-LSTM is); if vmap fails, one example at a time.
+
+Before trusting the factored form for a site, the first batch checks that the summed
+per-example gradients equal autograd's gradient of the site; a weight that is also used
+outside ``linear`` (tied weights, say) falls back to the dense path.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyro
+import torch
+import torch.nn.functional as F
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from pyro_bdl.inference.laplace.observation import Observation
+
+__all__ = ["ModelJacobians", "Linearization", "SiteGradient", "LinearGradient", "DenseGradient"]
+
+
+class SiteGradient:
+    """The gradients of ``m`` columns for each of ``B`` examples, for one site."""
+
+    def per_example(self) -> torch.Tensor:
+        """Dense gradients, shaped ``(m, B, *site_shape)``."""
+        raise NotImplementedError
+
+    def sum_of_squares(self) -> torch.Tensor:
+        """:math:`\\sum_{c,i} g_{c,i}^2`, shaped like the site."""
+        return self.per_example().square().sum((0, 1))
+
+    def gram(self, weight: torch.Tensor) -> torch.Tensor:
+        """:math:`\\sum_\\theta w_\\theta g_{c,i}(\\theta) g_{d,i}(\\theta)`, shaped ``(B, m, m)``.
+
+        :param torch.Tensor weight: broadcastable to the site's shape.
+        """
+        grads = self.per_example()
+        weight = weight.expand(grads.shape[2:]).reshape(-1)
+        grads = grads.flatten(2)
+        return torch.einsum("cbp,dbp->bcd", grads * weight, grads)
+
+
+@dataclass
+class DenseGradient(SiteGradient):
+    """Per-example gradients held densely, ``(m, B, *site_shape)``."""
+
+    grads: torch.Tensor
+
+    def per_example(self) -> torch.Tensor:
+        return self.grads
+
+
+@dataclass
+class LinearGradient(SiteGradient):
+    """The factored gradients of a ``linear`` weight (or bias) shared over positions.
+
+    :ivar inputs: :math:`a`, shaped ``(B, T, d_in)``; None for a bias.
+    :ivar output_grads: :math:`b`, shaped ``(m, B, T, d_out)``.
+    """
+
+    inputs: torch.Tensor | None
+    output_grads: torch.Tensor
+
+    def per_example(self) -> torch.Tensor:
+        if self.inputs is None:
+            return self.output_grads.sum(2)
+        return torch.einsum("cbto,bti->cboi", self.output_grads, self.inputs)
+
+    def sum_of_squares(self) -> torch.Tensor:
+        if self.inputs is None or self.inputs.shape[1] > 1:
+            return super().sum_of_squares()
+        # One position: g = b a^T, so g^2 = b^2 (a^2)^T without forming g.
+        b, a = self.output_grads[:, :, 0], self.inputs[:, 0]
+        return torch.einsum("cbo,bi->oi", b.square(), a.square())
+
+    def gram(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.inputs is None or self.inputs.shape[1] > 1:
+            return super().gram(weight)
+        b, a = self.output_grads[:, :, 0], self.inputs[:, 0]
+        weight = weight.expand(b.shape[-1], a.shape[-1])
+        return torch.einsum("cbo,dbo,oi,bi->bcd", b, b, weight, a.square())
+
+
+class _RunAt(Messenger):
+    """Run a model with its latent sites at given values; keep its other sample sites."""
+
+    def __init__(self, values: dict[str, torch.Tensor]):
+        super().__init__()
+        self.values = values
+        self.observed: list[dict] = []
+
+    def _pyro_sample(self, msg: dict) -> None:
+        if site_is_subsample(msg):
+            return
+        if msg["name"] in self.values and not msg["is_observed"]:
+            msg["value"] = self.values[msg["name"]]
+            msg["is_observed"] = True
+        else:
+            self.observed.append(msg)
+
+    def observation(self) -> Observation:
+        if len(self.observed) != 1:
+            names = [msg["name"] for msg in self.observed]
+            raise ValueError(
+                "LaplaceGuide needs a model with exactly one observed site (one bdl.observe "
+                f"call) besides its latent sites, found {names}"
+            )
+        return Observation(self.observed[0])
+
+
+@dataclass
+class _LinearCall:
+    weight_site: str | None
+    bias_site: str | None
+    inputs: torch.Tensor
+    output: torch.Tensor
+    version: int
+
+
+class _RecordLinear(TorchFunctionMode):
+    """Record every ``linear`` call whose weight or bias is a latent site's value."""
+
+    def __init__(self, sites_by_id: dict[int, str]):
+        super().__init__()
+        self.sites_by_id = sites_by_id
+        self.calls: list[_LinearCall] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        if func is F.linear:
+            inputs = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            weight_site = self.sites_by_id.get(id(weight))
+            bias_site = None if bias is None else self.sites_by_id.get(id(bias))
+            if weight_site or bias_site:
+                call = _LinearCall(weight_site, bias_site, inputs.detach(), output, output._version)
+                self.calls.append(call)
+        return output
+
+
+def _is_example_batched(x, batch_size: int) -> bool:
+    return torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == batch_size
+
+
+class ModelJacobians:
+    """Linearise a Pyro model at fixed values of its latent sites, batch by batch.
+
+    Example::
+
+        jacobians = ModelJacobians(model, theta_map)
+        run = jacobians(args, kwargs)                 # one forward pass
+        columns = run.observation.columns("ggn")      # (m, *f.shape)
+        grads = run.gradients(columns)                # site -> SiteGradient
+
+    :param callable model: a Pyro model with one observed site.
+    :param dict values: the latent sites' values (the MAP).
+    """
+
+    def __init__(self, model: Callable, values: dict[str, torch.Tensor]):
+        self.model = model
+        self.values = {
+            name: value.detach().clone().requires_grad_() for name, value in values.items()
+        }
+        # site -> whether its factored linear gradients were verified on a batch
+        self.linear_verified: dict[str, bool] = {}
+        self._vmap_failed = False
+
+    def __call__(self, args: tuple, kwargs: dict, output: str = "observation") -> Linearization:
+        """Run the model on one batch, recording what the gradients need.
+
+        :param str output: ``"observation"`` differentiates the observed site's natural
+            parameter (curvature), ``"return"`` the model's return value (prediction).
+        """
+        if output not in ("observation", "return"):
+            raise ValueError(f"output must be 'observation' or 'return', got {output!r}")
+        sites_by_id = {id(value): name for name, value in self.values.items()}
+        with torch.enable_grad(), _RecordLinear(sites_by_id) as record, _RunAt(self.values) as run:
+            returned = self.model(*args, **kwargs)
+        if output == "observation":
+            result = run.observation().natural
+        elif torch.is_tensor(returned):
+            result = returned
+        else:
+            raise ValueError(
+                "the linearised predictive needs a model that returns its output tensor "
+                f"(logits shaped (batch, classes)), got {type(returned).__name__}"
+            )
+        return Linearization(self, args, kwargs, output, result, run, record.calls)
+
+    def run_output(self, args: tuple, kwargs: dict, values: dict, output: str) -> torch.Tensor:
+        """The model's output at ``values`` without recording (for torch.func)."""
+        with _RunAt(values) as run:
+            returned = self.model(*args, **kwargs)
+        return run.observation().natural if output == "observation" else returned
+
+
+class Linearization:
+    """One batch's model run at the latent values of a :class:`ModelJacobians`.
+
+    :ivar torch.Tensor output: the differentiated output :math:`f`, first dim the batch.
+    :ivar observation: the :class:`Observation` of the observed site (or None).
+    """
+
+    def __init__(self, jacobians, args, kwargs, output_kind, output, run, calls):
+        self._jacobians = jacobians
+        self._args, self._kwargs = args, kwargs
+        self._output_kind = output_kind
+        self.output = output
+        self._run = run
+        self.batch_size = output.shape[0]
+        self._calls = calls
+
+    @functools.cached_property
+    def observation(self) -> Observation:
+        """The likelihood of the run's observed site."""
+        return self._run.observation()
+
+    def gradients(self, columns: torch.Tensor) -> dict[str, SiteGradient]:
+        """Per-example gradients of ``columns[c] . output`` for every latent site.
+
+        :param torch.Tensor columns: ``(m, *output.shape)``.
+        """
+        jacobians = self._jacobians
+        linear_sites = self._linear_sites()
+        calls = [c for c in self._calls if linear_sites & {c.weight_site, c.bias_site}]
+        unverified = [s for s in linear_sites if s not in jacobians.linear_verified]
+        output_grads = [[] for _ in calls]
+        references = {}
+        for c in range(columns.shape[0] if calls else 0):
+            leaves = [jacobians.values[s] for s in unverified] if c == 0 else []
+            grads = torch.autograd.grad(
+                self.output,
+                [call.output for call in calls] + leaves,
+                columns[c],
+                retain_graph=True,
+                allow_unused=True,
+            )
+            for k, call in enumerate(calls):
+                grad = grads[k]
+                output_grads[k].append(torch.zeros_like(call.output) if grad is None else grad)
+            if c == 0:
+                references = dict(zip(unverified, grads[len(calls) :]))
+        per_site = self._factored(linear_sites, calls, output_grads)
+        for site, reference in references.items():
+            summed = per_site[site].per_example()[0].sum(0)
+            reference = torch.zeros_like(summed) if reference is None else reference
+            scale = reference.abs().max().item()
+            ok = (summed - reference).abs().max().item() <= 1e-3 * scale + 1e-12
+            jacobians.linear_verified[site] = ok
+            if not ok:
+                del per_site[site]
+        dense_sites = [s for s in jacobians.values if s not in per_site]
+        if dense_sites:
+            per_site.update(self._dense(dense_sites, columns))
+        return per_site
+
+    def _linear_sites(self) -> set[str]:
+        """Sites whose every recorded use is a ``linear`` call over the batch."""
+        jacobians = self._jacobians
+        candidates: dict[str, bool] = {}
+        for call in self._calls:
+            usable = (
+                call.inputs.shape[0] == self.batch_size and call.output._version == call.version
+            )
+            for site in (call.weight_site, call.bias_site):
+                if site is not None:
+                    candidates[site] = candidates.get(site, True) and usable
+        return {
+            site
+            for site, usable in candidates.items()
+            if usable and jacobians.linear_verified.get(site, True)
+        }
+
+    def _factored(self, sites, calls, output_grads) -> dict[str, SiteGradient]:
+        batch = self.batch_size
+        inputs: dict[str, list] = {}
+        grads: dict[str, list] = {}
+        for call, grad in zip(calls, output_grads):
+            b = torch.stack(grad)
+            b = b.reshape(b.shape[0], batch, -1, b.shape[-1])
+            if call.weight_site in sites:
+                inputs.setdefault(call.weight_site, []).append(
+                    call.inputs.reshape(batch, -1, call.inputs.shape[-1])
+                )
+                grads.setdefault(call.weight_site, []).append(b)
+            if call.bias_site in sites:
+                grads.setdefault(call.bias_site, []).append(b)
+        return {
+            site: LinearGradient(
+                torch.cat(inputs[site], 1) if site in inputs else None, torch.cat(grads[site], 2)
+            )
+            for site in grads
+        }
+
+    def _dense(self, sites: list[str], columns: torch.Tensor) -> dict[str, SiteGradient]:
+        jacobians = self._jacobians
+        if not jacobians._vmap_failed:
+            try:
+                return self._vmapped(sites, columns)
+            except Exception as error:  # any failure inside vmap: fall back to the loop
+                warnings.warn(
+                    f"LaplaceGuide: per-example gradients of {sites[:3]} could not be "
+                    f"vectorised with torch.func.vmap ({type(error).__name__}: {error}); "
+                    "computing them one example at a time, which is slow",
+                    stacklevel=4,
+                )
+                jacobians._vmap_failed = True
+        return self._looped(sites, columns)
+
+    def _split(self):
+        batch = self.batch_size
+        return tree_map(lambda x: _is_example_batched(x, batch), (self._args, self._kwargs))
+
+    def _vmapped(self, sites, columns):
+        jacobians = self._jacobians
+        batched = self._split()
+        in_dims = tree_map(lambda b: 0 if b else None, batched)
+        values = {s: jacobians.values[s].detach() for s in sites}
+        fixed = {s: v.detach() for s, v in jacobians.values.items() if s not in values}
+
+        def one_example(values, args, kwargs, example_columns):
+            def output(values):
+                one_args, one_kwargs = tree_map(
+                    lambda x, b: x.unsqueeze(0) if b else x, (args, kwargs), batched
+                )
+                out = jacobians.run_output(
+                    one_args, one_kwargs, {**fixed, **values}, self._output_kind
+                )
+                return out.squeeze(0)
+
+            _, vjp = torch.func.vjp(output, values)
+            return torch.func.vmap(vjp)(example_columns)[0]
+
+        with pyro.validation_enabled(False):
+            grads = torch.func.vmap(one_example, in_dims=(None, *in_dims, 1))(
+                values, self._args, self._kwargs, columns
+            )
+        return {s: DenseGradient(grads[s].transpose(0, 1)) for s in sites}
+
+    def _looped(self, sites, columns):
+        jacobians = self._jacobians
+        batched = self._split()
+        per_example = []
+        for i in range(self.batch_size):
+            args, kwargs = tree_map(
+                lambda x, b, i=i: x[i : i + 1] if b else x, (self._args, self._kwargs), batched
+            )
+            leaves = {s: jacobians.values[s].detach().requires_grad_() for s in sites}
+            with torch.enable_grad():
+                values = {**{s: v.detach() for s, v in jacobians.values.items()}, **leaves}
+                out = jacobians.run_output(args, kwargs, values, self._output_kind)
+                grads = [
+                    torch.autograd.grad(
+                        out,
+                        list(leaves.values()),
+                        columns[c, i : i + 1],
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
+                    for c in range(columns.shape[0])
+                ]
+            per_example.append(
+                [
+                    torch.stack([torch.zeros_like(leaf) if g is None else g for g in column])
+                    for leaf, column in zip(leaves.values(), zip(*grads))
+                ]
+            )
+        return {
+            s: DenseGradient(torch.stack([grads[k] for grads in per_example], 1))
+            for k, s in enumerate(sites)
+        }
