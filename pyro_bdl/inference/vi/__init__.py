@@ -1,3 +1,25 @@
-"""Variational guides: mean-field Gaussian and BLoB."""
+"""Variational guides: mean-field Gaussian VI and BLoB, with flipout and KL re-weighting."""
 
-__all__: list[str] = []
+from pyro_bdl.inference.vi.blob import BLoBGuide
+from pyro_bdl.inference.vi.blob_svi import BLoBSVI, fit_blob
+from pyro_bdl.inference.vi.flipout import LoRAFlipout, flipout_linear
+from pyro_bdl.inference.vi.kl_weights import (
+    blob_kl_cycle,
+    exponential_kl_weight,
+    uniform_kl_weight,
+)
+from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
+from pyro_bdl.inference.vi.normal import VariationalNormal
+
+__all__ = [
+    "MeanFieldGuide",
+    "BLoBGuide",
+    "BLoBSVI",
+    "fit_blob",
+    "VariationalNormal",
+    "LoRAFlipout",
+    "flipout_linear",
+    "blob_kl_cycle",
+    "exponential_kl_weight",
+    "uniform_kl_weight",
+]

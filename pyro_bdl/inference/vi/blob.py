@@ -1,0 +1,161 @@
+r"""BLoB: Bayesian low-rank adaptation by backpropagation (Wang et al., 2024).
+
+Asymmetric LoRA Bayesianisation (section 3.1): each LoRA A matrix gets
+:math:`q(A) = \mathcal{N}(M, \Omega^2)` elementwise with :math:`\Omega = G^2` (section 3.3),
+each B is a point estimate, and the prior is :math:`P(A) = \mathcal{N}(0, \sigma_p^2)`, so
+that the KL of the full weights reduces to that of A (Theorem 3.2, eq. 11):
+
+.. math::
+
+    \mathrm{KL}[q(A) \,\|\, P(A)] = \frac{1}{2\sigma_p^2}\big(\|M\|_2^2 + \|\Omega\|_2^2\big)
+        - \sum_{ij} \log \Omega_{ij} + \text{const}.
+
+Minibatch examples see independent perturbations of A through flipout (eq. 12, see
+:mod:`~pyro_bdl.inference.vi.flipout`).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from pyro_bdl.inference.vi.flipout import LoRAFlipout
+from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
+from pyro_bdl.lift import LiftedModule, init_to_module
+from pyro_bdl.priors import IIDNormal
+
+__all__ = ["BLoBGuide"]
+
+
+class BLoBGuide(MeanFieldGuide):
+    r"""The BLoB variational posterior of the LoRA A matrices of a lifted peft model.
+
+    The network must be lifted with the LoRA A weights random and the LoRA B weights
+    point estimates (a ``pyro.param``, initialised to the module's B: zero for a fresh
+    adapter), so that B gets no KL and no noise::
+
+        net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(0.2), random="lora_A",
+                       point=lambda name, p: "lora_B" in name or "classifier" in name)
+
+    Per A: :math:`M` starts at the module's A (LoRA's own initialisation) and :math:`G` at
+    :math:`\mathcal{U}[\epsilon/\sqrt{2}, \epsilon]` (Algorithm 1, Appendix B.1); draws are
+    :math:`A = M + G^2 \circ E`. With ``flipout`` every forward of the model with a draw of
+    this guide (``SVI`` steps, ``Predictive(model, guide=guide)``,
+    :func:`~pyro_bdl.predict.predict_proba` with the guide) computes eq. 12 at the A
+    projections, with one noise matrix :math:`E` per forward and random signs per example
+    (per token for sequences).
+
+    The KL is the closed form of eq. 11 under ``TraceMeanField_ELBO``; the paper's training
+    recipe (two optimisers, KL re-weighting) is :func:`~pyro_bdl.inference.fit_blob`.
+    ``guide.median()`` is the mean weights, "BLoB (N=0)".
+
+    .. note:: The flipout hooks sit on the peft model's LoRA A layers while the guide is
+        alive and ``flipout`` is on, and act on every forward whose A is a sampled value
+        around this guide's last mean. Set ``guide.flipout = False`` (or delete the
+        guide) before running other inference on the same peft model.
+
+    **References**
+
+    [1] Y. Wang, H. Shi, L. Han, D. Metaxas, H. Wang, "BLoB: Bayesian Low-Rank Adaptation by
+        Backpropagation for Large Language Models", NeurIPS 2024.
+    [2] Y. Wen et al., "Flipout: efficient pseudo-independent weight perturbations on
+        mini-batches", ICLR 2018.
+
+    Example::
+
+        guide = BLoBGuide(model, net, eps=0.05, prior_std=0.2)
+        fit_blob(model, guide, train_loader, len(train_set), num_steps=5000)
+        probs = predict_proba(model, batch, num_data, guide=guide, num_samples=10)
+
+    :param callable model: the Pyro model that calls ``net``.
+    :param LiftedModule net: the lifted peft model (default: ``model.net``, as
+        :class:`~pyro_bdl.models.BayesianNet` has it).
+    :param float eps: :math:`\epsilon` of the initialisation of :math:`G` (Table 4: 0.05).
+    :param float prior_std: :math:`\sigma_p`; if given, the network's prior becomes
+        ``IIDNormal(prior_std)`` (Table 4: 0.2 for RoBERTa, 2 for Llama2); by default the
+        network keeps its prior (any Normal gives a closed-form KL).
+    :param bool flipout: flipout at the A projections (eq. 12).
+    :param callable init_loc_fn: where :math:`M` starts (default: the module's A).
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        net: LiftedModule | None = None,
+        *,
+        eps: float = 0.05,
+        prior_std: float | None = None,
+        flipout: bool = True,
+        init_loc_fn: Callable = init_to_module,
+    ):
+        net = net if net is not None else getattr(model, "net", None)
+        if not isinstance(net, LiftedModule):
+            raise TypeError(
+                "BLoBGuide: pass net=<the LiftedModule the model calls> (bdl.lift(peft_model, "
+                f"random='lora_A', point='lora_B')), got {type(net).__name__}"
+            )
+        if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and eps > 0):
+            raise ValueError(f"BLoBGuide: eps must be a positive number, got {eps!r}")
+        _check_asymmetric(net)
+        if prior_std is not None:
+            net.prior = IIDNormal(prior_std)
+        self.eps = float(eps)
+        self.prior_std = prior_std
+        super().__init__(
+            model, init_loc_fn=init_loc_fn, init_scale=eps, scale_parametrization="square"
+        )
+        self._flipout = LoRAFlipout(net, net.random_sites)
+        weakref.finalize(self, self._flipout.detach)
+        self.flipout = flipout
+
+    @property
+    def flipout(self) -> bool:
+        """Whether flipout runs at the A projections; assign to switch it."""
+        return self._flipout.attached
+
+    @flipout.setter
+    def flipout(self, enabled: bool) -> None:
+        if enabled:
+            self._flipout.attach()
+        else:
+            self._flipout.detach()
+
+    def _init_scale_param(self, init_loc: torch.Tensor) -> torch.Tensor:
+        # G ~ U[eps / sqrt(2), eps] (Algorithm 1, line 1), so Omega = G^2 starts in
+        # [eps^2 / 2, eps^2].
+        low = self.eps / math.sqrt(2)
+        return torch.empty_like(init_loc).uniform_(low, self.eps)
+
+    def get_posterior(self, name: str) -> torch.distributions.Distribution:
+        posterior = super().get_posterior(name)
+        # The flipout hooks perturb around the mean of the draw the model is given.
+        self._flipout.means[name] = posterior.base_dist.loc
+        return posterior
+
+    def hyperparameters(self) -> dict:
+        return {"eps": self.eps, "prior_std": self.prior_std, "flipout": self.flipout}
+
+
+def _check_asymmetric(net: LiftedModule) -> None:
+    random = set(net.random_sites.values())
+    point = set(net.point_sites.values())
+    for name in random:
+        if "lora_A" not in name:
+            raise ValueError(
+                f"BLoBGuide: the random weight {name!r} is not a LoRA A matrix; BLoB puts a "
+                "posterior on LoRA A only (section 3.1): lift with random='lora_A'"
+            )
+        b_name = name.replace("lora_A", "lora_B")
+        if b_name in random:
+            raise ValueError(
+                f"BLoBGuide: {b_name!r} is random; BLoB keeps B a point estimate with no KL "
+                "and no noise (section 3.1): lift it with point='lora_B'"
+            )
+        if b_name not in point:
+            raise ValueError(
+                f"BLoBGuide: the LoRA B matrix {b_name!r} beside {name!r} is not lifted, so it "
+                "would never be trained: lift it as a point weight (point='lora_B')"
+            )

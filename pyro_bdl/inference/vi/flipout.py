@@ -1,0 +1,107 @@
+r"""LoRA flipout (BLoB, section 3.4 and Appendix A.3): independent weight noise per example.
+
+A weight draw :math:`A = M + \Delta A`, :math:`\Delta A = E \circ \Omega`, shared by a whole
+minibatch makes the examples' outputs correlated. Flipout multiplies :math:`\Delta A` by a
+random rank-one sign pattern :math:`t_i s_i^\top` per example, which leaves each example's
+distribution unchanged (the entries of :math:`\Delta A` are symmetric and independent) and
+decorrelates the examples, for the price of one extra low-rank product (eq. 12 and 68):
+
+.. math::
+
+    Z = W_0 H + B\big(M H + [(E \circ \Omega)(H \circ S)] \circ T\big).
+
+:class:`LoRAFlipout` computes the bracket at the LoRA A projection of a peft model with a
+forward hook, so no per-example weight is ever formed. The hook acts on forwards whose A is
+a sampled value put in place by :func:`torch.func.functional_call` (a lifted network's
+sample site); forwards with the module's own weight (``net.fixed(...)``) are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from pyro_bdl.lift import LiftedModule
+
+__all__ = ["LoRAFlipout", "flipout_linear"]
+
+
+def flipout_linear(h: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    r"""The flipout output :math:`M h + [\Delta A (h \circ s)] \circ t` of a bias-free linear map.
+
+    Every row of ``h`` (every example, and every token of a sequence) draws its own signs
+    :math:`s \in \{\pm 1\}^n` and :math:`t \in \{\pm 1\}^r`.
+
+    :param torch.Tensor h: inputs ``(..., n)``.
+    :param torch.Tensor mean: the mean weight :math:`M`, ``(r, n)``.
+    :param torch.Tensor delta: the weight noise :math:`\Delta A = E \circ \Omega`, ``(r, n)``.
+    :return: outputs ``(..., r)``.
+    """
+    s = _rademacher(h.shape, h)
+    t = _rademacher(h.shape[:-1] + delta.shape[:1], h)
+    return F.linear(h, mean) + F.linear(h * s, delta) * t
+
+
+def _rademacher(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(0.5).mul_(2).sub_(1)
+
+
+class LoRAFlipout:
+    """Forward hooks that run :func:`flipout_linear` at the LoRA A layers of a lifted network.
+
+    The guide that samples A records, at each draw, the mean :math:`M` it sampled around
+    in :attr:`means`; a hooked forward then uses :math:`\\Delta A = A - M`. Until a mean is
+    recorded, or for a forward with the module's own weight, a layer runs unchanged.
+
+    :param LiftedModule net: the lifted peft model.
+    :param sites: the random sites whose weights are LoRA A matrices.
+    :ivar dict means: site -> the mean of the current draw.
+    """
+
+    def __init__(self, net: LiftedModule, sites: Iterable[str]):
+        self.means: dict[str, torch.Tensor] = {}
+        self._layers = {}
+        for site in sites:
+            layer, attribute = net.owner(site)
+            if (
+                not isinstance(layer, torch.nn.Linear)
+                or attribute != "weight"
+                or layer.bias is not None
+            ):
+                raise ValueError(
+                    f"flipout: site {site!r} is not the weight of a bias-free nn.Linear (peft's "
+                    f"lora_A), it is {attribute!r} of a {type(layer).__name__}; pass flipout=False"
+                )
+            self._layers[site] = layer
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are registered."""
+        return bool(self._handles)
+
+    def attach(self) -> None:
+        """Register the hooks (once)."""
+        if self._handles:
+            return
+        for site, layer in self._layers.items():
+            self._handles.append(layer.register_forward_hook(self._hook(site, layer.weight)))
+
+    def detach(self) -> None:
+        """Remove the hooks: every layer runs as plain LoRA again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, site: str, own_weight: torch.nn.Parameter):
+        def flipout(layer: torch.nn.Linear, inputs: tuple, output: torch.Tensor):
+            mean = self.means.get(site)
+            if mean is None or layer.weight is own_weight:
+                return None
+            # The layer's own product is discarded; recomputing it around M keeps the
+            # hook independent of peft's forward, for one r x n product (LoRA-sized).
+            return flipout_linear(inputs[0], mean, layer.weight - mean)
+
+        return flipout
