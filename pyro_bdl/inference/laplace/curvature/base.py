@@ -32,19 +32,25 @@ Delta = dict[str, torch.Tensor]
 
 
 class GaussianBlock:
-    """A block of the posterior precision over the latent sites ``sites``."""
+    """A block of the posterior precision over the latent sites ``sites``.
+
+    :ivar tuple sites: the sites it covers, in the order of its parameters.
+    :ivar dict shapes: site -> shape.
+    """
 
     sites: tuple[str, ...]
+    shapes: dict[str, torch.Size]
 
     def log_det(self, delta: Delta) -> torch.Tensor:
         """:math:`\\log\\det P` of the block."""
         raise NotImplementedError
 
     def sample(self, noise: dict[str, torch.Tensor], delta: Delta) -> dict[str, torch.Tensor]:
-        """:math:`P^{-1/2} z` for standard normal ``noise`` shaped ``(S, *site_shape)``.
+        """:math:`R z` for standard normal ``noise`` shaped ``(S, *site_shape)``.
 
-        The square root is symmetric, so :math:`\\|z\\|^2` is the quadratic form of the
-        result.
+        :math:`R` is a square root of the covariance, :math:`R R^\\top = P^{-1}`, so the
+        draws are :math:`\\mathcal{N}(0, P^{-1})` and their quadratic form is
+        :math:`\\|z\\|^2`.
         """
         raise NotImplementedError
 

@@ -24,6 +24,7 @@ class DiagonalBlock(GaussianBlock):
 
     def __init__(self, site: str, curvature: torch.Tensor):
         self.sites = (site,)
+        self.shapes = {site: curvature.shape}
         self.site = site
         self.curvature = curvature
 

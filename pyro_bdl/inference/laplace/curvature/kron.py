@@ -73,7 +73,8 @@ class KronBlock(GaussianBlock):
         self.site = site
         self.input_vectors, self.input_values = input_factor
         self.output_vectors, self.output_values = output_factor
-        self.shape = (self.output_vectors.shape[0], self.input_vectors.shape[0])
+        self.shape = torch.Size((self.output_vectors.shape[0], self.input_vectors.shape[0]))
+        self.shapes = {site: self.shape}
         self.eigenvalues = self.output_values[:, None] * self.input_values[None, :]
         self.complement = math.prod(self.shape) - self.eigenvalues.numel()
 

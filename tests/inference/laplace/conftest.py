@@ -1,0 +1,114 @@
+"""Small problems shared by the Laplace tests (float64 throughout)."""
+
+import math
+from types import SimpleNamespace
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import pyro_bdl as bdl
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(dtype)
+
+
+class LinearGaussian:
+    """y = X w + noise, w ~ N(0, 1/alpha): the Laplace approximation is exact."""
+
+    def __init__(self, num_data=40, dim=3, sigma=0.5, alpha=2.0, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(num_data, dim, generator=generator)
+        self.w = torch.randn(dim, generator=generator)
+        self.y = self.x @ self.w + sigma * torch.randn(num_data, generator=generator)
+        self.num_data, self.dim, self.sigma, self.alpha = num_data, dim, sigma, alpha
+        self.precision = self.x.T @ self.x / sigma**2 + alpha * torch.eye(dim)
+        self.covariance = torch.linalg.inv(self.precision)
+        self.mean = self.covariance @ self.x.T @ self.y / sigma**2
+
+    def model(self, batch, num_data):
+        x, y = batch
+        w = pyro.sample("w", dist.Normal(0.0, self.alpha**-0.5).expand([self.dim]).to_event(1))
+        bdl.observe("y", dist.Normal(x @ w, self.sigma), y, num_data)
+        return x @ w
+
+    def loader(self, batch_size=16):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=batch_size)
+
+    def log_evidence(self, alpha=None):
+        alpha = self.alpha if alpha is None else alpha
+        covariance = self.sigma**2 * torch.eye(self.num_data) + self.x @ self.x.T / alpha
+        return dist.MultivariateNormal(torch.zeros(self.num_data), covariance).log_prob(self.y)
+
+    def sgd(self):
+        """Full-batch gradient descent that converges on this quadratic to round-off."""
+        largest = torch.linalg.eigvalsh(self.precision)[-1].item()
+        return pyro.optim.SGD({"lr": 1.0 / largest, "momentum": 0.5})
+
+
+@pytest.fixture
+def linear_gaussian():
+    return LinearGaussian()
+
+
+def mlp(bias=True, inputs=5, hidden=8, classes=3, seed=1):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(inputs, hidden, bias=bias),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, classes, bias=bias),
+    )
+
+
+def classification_data(num_data=60, inputs=5, classes=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_data, inputs, generator=generator)
+    y = torch.randint(0, classes, (num_data,), generator=generator)
+    return x, y
+
+
+def classifier(net):
+    """The Pyro model of a lifted classifier taking (x, y) batches."""
+
+    def model(batch, num_data):
+        x, y = batch
+        logits = net(x)
+        bdl.observe("y", dist.Categorical(logits=logits), y, num_data)
+        return logits
+
+    return model
+
+
+def dense_precision(block, delta):
+    """The block's precision as a dense matrix, read through quadratic() alone."""
+    sizes = [math.prod(shape) for shape in block.shapes.values()]
+    dim = sum(sizes)
+
+    def split(rows):
+        parts = zip(block.shapes.items(), rows.split(sizes, -1))
+        return {site: part.reshape(-1, *shape) for (site, shape), part in parts}
+
+    basis = torch.eye(dim)
+    single = block.quadratic(split(basis), delta)
+    pairs = (basis.unsqueeze(0) + basis.unsqueeze(1)).reshape(-1, dim)
+    both = block.quadratic(split(pairs), delta).reshape(dim, dim)
+    return (both - single[:, None] - single[None, :]) / 2
+
+
+@pytest.fixture
+def helpers():
+    """The builders above, for test modules (which cannot import this conftest)."""
+    return SimpleNamespace(
+        mlp=mlp,
+        classification_data=classification_data,
+        classifier=classifier,
+        dense_precision=dense_precision,
+        LinearGaussian=LinearGaussian,
+    )

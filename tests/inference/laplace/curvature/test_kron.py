@@ -1,0 +1,191 @@
+"""K-FAC against laplace-torch (curvlinops), the expand convention, and the block algebra."""
+
+import copy
+import math
+
+import pyro.distributions as dist
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import pyro_bdl as bdl
+from pyro_bdl.inference import LaplaceGuide
+from pyro_bdl.inference.laplace.curvature import DiagonalBlock, KronBlock
+from pyro_bdl.inference.laplace.jacobians import DenseGradient
+
+laplace = pytest.importorskip("laplace")
+curvatures = pytest.importorskip("laplace.curvature")
+
+
+def test_matches_laplace_torch_on_an_mlp(helpers):
+    # Without biases every site is a K-FAC layer (laplace-torch gives biases a dense
+    # block, we a diagonal one).
+    network = helpers.mlp(bias=False)
+    x, y = helpers.classification_data()
+    reference = laplace.KronLaplace(
+        copy.deepcopy(network),
+        "classification",
+        prior_precision=3.0,
+        backend=curvatures.CurvlinopsGGN,
+    )
+    reference.fit(DataLoader(TensorDataset(x, y), batch_size=len(x)))
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(3.0**-0.5))
+    guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
+    guide.fit(DataLoader(TensorDataset(x, y), batch_size=20), len(x), map=False, progress=False)
+
+    assert all(isinstance(block, KronBlock) for block in guide._blocks)
+    assert torch.allclose(
+        guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4
+    )
+    mean, covariance = guide.output_distribution((x, y), len(x))
+    f_mean, f_covariance = reference._glm_predictive_distribution(x)
+    assert torch.allclose(covariance, f_covariance, rtol=1e-4, atol=1e-10)
+    for link in ("probit", "mc"):
+        generator = torch.Generator().manual_seed(0) if link == "mc" else None
+        ours = guide.predictive((x, y), len(x), link=link, num_samples=20000, generator=generator)
+        theirs = reference(x, link_approx=link, n_samples=20000)
+        # MC: two independent averages of 20000 softmax draws (sd < 0.5 / sqrt(20000)).
+        assert torch.allclose(ours, theirs, atol=1e-10 if link == "probit" else 0.02)
+
+
+def test_tokens_share_the_weight_by_the_expand_convention():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=3,
+    )
+    lora = peft.get_peft_model(
+        transformers.BertForSequenceClassification(config),
+        peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"], task_type="SEQ_CLS"),
+    )
+    for name, param in lora.named_parameters():
+        if "lora_B" in name:  # LoRA starts at B = 0; give the curvature something to see
+            torch.nn.init.normal_(param, std=0.3)
+        param.requires_grad_(param.requires_grad and not name.endswith("bias"))
+    lora.eval()
+    num_data, length = 24, 7
+    ids = torch.randint(0, 50, (num_data, length))
+    mask = torch.ones(num_data, length, dtype=torch.long)
+    mask[::3, -2:] = 0  # padded sequences
+    labels = torch.randint(0, 3, (num_data,))
+    rows = [
+        {"input_ids": i, "attention_mask": m, "labels": t} for i, m, t in zip(ids, mask, labels)
+    ]
+
+    def collate(batch):
+        return {key: torch.stack([row[key] for row in batch]) for key in batch[0]}
+
+    class Logits(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, data):
+            return self.module(
+                input_ids=data["input_ids"], attention_mask=data["attention_mask"]
+            ).logits
+
+    reference = laplace.KronLaplace(
+        Logits(copy.deepcopy(lora)),
+        "classification",
+        prior_precision=4.0,
+        backend=curvatures.CurvlinopsGGN,
+    )
+    reference.fit(DataLoader(rows, batch_size=num_data, collate_fn=collate))
+    net = bdl.lift(lora, prior=bdl.priors.IIDNormal(0.5))
+
+    def model(batch, num_data):
+        logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        bdl.observe("y", dist.Categorical(logits=logits), batch["labels"], num_data)
+        return logits
+
+    guide = LaplaceGuide(model, curvature="kron")
+    guide.fit(
+        DataLoader(rows, batch_size=8, collate_fn=collate), num_data, map=False, progress=False
+    )
+    assert sum(isinstance(block, KronBlock) for block in guide._blocks) == 9  # 8 LoRA + head
+    assert torch.allclose(
+        guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4
+    )
+    batch = collate(rows)
+    _, covariance = guide.output_distribution(batch, num_data)
+    _, f_covariance = reference._glm_predictive_distribution(batch)
+    assert torch.allclose(covariance, f_covariance, rtol=1e-4, atol=1e-10)
+
+
+def test_biases_get_a_diagonal_ggn_block(helpers):
+    network = helpers.mlp(bias=True)
+    x, y = helpers.classification_data()
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    kron = LaplaceGuide(helpers.classifier(net), curvature="kron").fit(
+        loader, len(x), map=False, progress=False
+    )
+    diagonal = LaplaceGuide(helpers.classifier(net), curvature="diag_ggn")
+    diagonal.fit(loader, len(x), map=False, progress=False)
+    kinds = {block.sites[0]: type(block) for block in kron._blocks}
+    assert kinds == {
+        "0.weight": KronBlock,
+        "0.bias": DiagonalBlock,
+        "2.weight": KronBlock,
+        "2.bias": DiagonalBlock,
+    }
+    for name in ("0.bias", "2.bias"):
+        assert torch.allclose(kron.variance()[name], diagonal.variance()[name], atol=1e-12)
+
+
+def random_block(d_out=4, d_in=3, ranks=None, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def factor(dim, rank):
+        root = torch.randn(dim, dim, generator=generator)
+        values, vectors = torch.linalg.eigh(root @ root.T)
+        return vectors[:, -rank:], values[-rank:]
+
+    ranks = ranks or (d_in, d_out)
+    return KronBlock("w", factor(d_in, ranks[0]), factor(d_out, ranks[1]))
+
+
+@pytest.mark.parametrize("ranks", [None, (2, 3)], ids=["complete", "truncated"])
+def test_block_algebra_equals_the_dense_precision(ranks, helpers):
+    block = random_block(ranks=ranks)
+    delta = {"w": torch.tensor(0.7)}
+    a = block.input_vectors @ torch.diag(block.input_values) @ block.input_vectors.T
+    b = block.output_vectors @ torch.diag(block.output_values) @ block.output_vectors.T
+    # Row-major flattening: (A kron B) vec(W) = vec(B W A) becomes kron(B, A) @ W.flatten().
+    precision = torch.kron(b, a) + 0.7 * torch.eye(12)
+    assert torch.allclose(helpers.dense_precision(block, delta), precision, atol=1e-10)
+    assert torch.allclose(block.log_det(delta), torch.logdet(precision))
+    covariance = torch.linalg.inv(precision)
+    assert torch.allclose(block.variance(delta)["w"].flatten(), covariance.diagonal())
+    # sample() applies the symmetric root of the covariance: apply it to the identity.
+    root = block.sample({"w": torch.eye(12).reshape(12, 4, 3)}, delta)["w"].reshape(12, 12)
+    assert torch.allclose(root @ root.T, covariance, atol=1e-10)
+    assert torch.allclose(root, root.T, atol=1e-10)
+    # The predictive covariance of per-example Jacobian rows J: J Sigma J^T.
+    jac = torch.randn(2, 5, 4, 3)
+    output = block.output_covariance({"w": DenseGradient(jac)}, delta)
+    rows = jac.flatten(2)
+    assert torch.allclose(output, torch.einsum("cbp,pq,dbq->bcd", rows, covariance, rows))
+    assert math.isclose(block.complement, 0 if ranks is None else 12 - 6)
+
+
+def test_the_fit_does_not_depend_on_the_batch_size(helpers):
+    network = helpers.mlp(bias=False)
+    x, y = helpers.classification_data(num_data=48)
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
+    evidences = []
+    for batch_size in (48, 16, 5):
+        guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
+        guide.fit(
+            DataLoader(TensorDataset(x, y), batch_size=batch_size), 48, map=False, progress=False
+        )
+        evidences.append(guide.log_marginal_likelihood())
+    assert torch.allclose(torch.stack(evidences), evidences[0], rtol=1e-10)
