@@ -46,6 +46,14 @@ def _accepts(net: LiftedModule, argument: str) -> bool:
     return argument in inspect.signature(module.forward).parameters
 
 
+def _without_cache(net: LiftedModule, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The inputs of a causal LM that keeps no key-value cache: no call here generates."""
+    inputs = dict(inputs)
+    if "use_cache" not in inputs and _accepts(net, "use_cache"):
+        inputs["use_cache"] = False
+    return inputs
+
+
 class Classification:
     r"""One categorical label per example, from class logits of shape ``(B, C)``.
 
@@ -109,7 +117,7 @@ class AnswerTokens(Classification):
         self._index = torch.tensor(ids)
 
     def logits(self, net: LiftedModule, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        inputs = dict(inputs)
+        inputs = _without_cache(net, inputs)
         mask = inputs.get("attention_mask")
         if mask is not None and "position_ids" not in inputs and _accepts(net, "position_ids"):
             inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -143,7 +151,7 @@ class NextToken:
     """
 
     def logits(self, net: LiftedModule, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return _output_logits(net(**inputs))
+        return _output_logits(net(**_without_cache(net, inputs)))
 
     def observe(
         self,

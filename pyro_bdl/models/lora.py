@@ -318,8 +318,10 @@ def lora_model(
     by SVI or :func:`~pyro_bdl.inference.fit_map` but held fixed by SGMCMC kernels),
     ``"lora"`` (LoRA on the output layer, which Laplace-LoRA and BLoB add to the queries
     and values of a causal LM), or ``"frozen"`` (the default for causal LMs, whose
-    pretrained LM head is kept). New heads are trained through peft's
-    ``modules_to_save``, so :meth:`LoRAModel.save_adapter` saves them with the adapters.
+    pretrained LM head is kept). ``"lora"`` and ``"frozen"`` suit a head that is already
+    trained; ``"random"`` and ``"point"`` train the whole head (for a causal LM, all
+    vocabulary x hidden weights of the LM head) through peft's ``modules_to_save``, so
+    :meth:`LoRAModel.save_adapter` saves it with the adapters.
 
     The model is returned in eval mode (dropout off: the randomness of the Bayesian
     methods is in the weights); :meth:`LoRAModel.train` turns LoRA dropout on, as in the
@@ -395,6 +397,41 @@ def lora_model(
             raise ValueError(f"lora_model: prior_scale must be positive, got {prior_scale!r}")
         prior = IIDNormal(prior_scale)
 
+    model, architecture, path = _load(
+        base, task, label_token_ids, num_labels, dtype, device_map, model_kwargs
+    )
+    if task == "causal_lm":
+        likelihood = NextToken()
+    elif architecture == "causal_lm":
+        likelihood = AnswerTokens(label_token_ids)
+    else:
+        likelihood = Classification()
+    if tokenizer is None and path is not None:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    _prepare_tokenizer(tokenizer, model, architecture, task)
+
+    if head is None:
+        head = "frozen" if architecture == "causal_lm" else "random"
+    peft_model = _add_adapters(
+        model, architecture, adapter, head, rank, alpha, dropout, target_modules
+    )
+    net = _lift_adapters(peft_model, prior, head)
+    if gradient_checkpointing or _is_checkpointing(model):
+        enable_checkpointing(net)
+    peft_model.eval()
+    return LoRAModel(BayesianNet(net, likelihood), peft_model, tokenizer, task)
+
+
+def _load(
+    base: str | os.PathLike | PreTrainedModel,
+    task: str,
+    label_token_ids: Sequence[int] | None,
+    num_labels: int | None,
+    dtype: torch.dtype | str | None,
+    device_map: Any,
+    model_kwargs: dict,
+) -> tuple[PreTrainedModel, str, Path | None]:
+    """The model of the task's architecture, the architecture, and the directory if any."""
     if isinstance(base, PeftModel):
         raise TypeError(
             "lora_model: base is already a peft model; pass its base model "
@@ -406,45 +443,25 @@ def lora_model(
                 "lora_model: dtype, device_map and from_pretrained arguments apply when "
                 "loading from a directory; base is already built: convert or place it yourself"
             )
-        model = base
-        architecture = _architecture(task, label_token_ids, model.config.model_type)
-        _check_built(model, architecture, task)
-    else:
-        path = _model_path(base)
-        loading = {"local_files_only": True, **model_kwargs}
-        if dtype is not None:
-            loading["dtype"] = dtype
-        if device_map is not None:
-            loading["device_map"] = device_map
-        if task == "classification":
-            loading["num_labels"] = 2 if num_labels is None else num_labels
-        model_type = _model_type(path)
-        architecture = _architecture(task, label_token_ids, model_type)
-        model = _ARCHITECTURES[architecture][0].from_pretrained(path, **loading)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if task == "classification" and num_labels is not None and model.num_labels != num_labels:
-        raise ValueError(
-            f"lora_model: the model has {model.num_labels} labels, not num_labels={num_labels}"
-        )
-    _prepare_tokenizer(tokenizer, model, architecture, task)
-
-    if head is None:
-        head = "frozen" if architecture == "causal_lm" else "random"
-    peft_model = _add_adapters(
-        model, architecture, adapter, head, rank, alpha, dropout, target_modules
-    )
-    net = _lift_adapters(peft_model, prior, head)
-    if gradient_checkpointing or _is_checkpointing(model):
-        enable_checkpointing(net)
-    if task == "causal_lm":
-        likelihood = NextToken()
-    elif architecture == "causal_lm":
-        likelihood = AnswerTokens(label_token_ids)
-    else:
-        likelihood = Classification()
-    peft_model.eval()
-    return LoRAModel(BayesianNet(net, likelihood), peft_model, tokenizer, task)
+        architecture = _architecture(task, label_token_ids, base.config.model_type)
+        _check_built(base, architecture, task)
+        if num_labels is not None and base.num_labels != num_labels:
+            raise ValueError(
+                f"lora_model: the model has {base.num_labels} labels, not num_labels={num_labels}"
+            )
+        return base, architecture, None
+    path = _model_path(base)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    architecture = _architecture(task, label_token_ids, config.model_type)
+    loading = {"local_files_only": True, **model_kwargs}
+    if dtype is not None:
+        loading["dtype"] = dtype
+    if device_map is not None:
+        loading["device_map"] = device_map
+    if task == "classification":
+        loading["num_labels"] = 2 if num_labels is None else num_labels
+    model = _ARCHITECTURES[architecture][0].from_pretrained(path, **loading)
+    return model, architecture, path
 
 
 def _is_checkpointing(model: PreTrainedModel) -> bool:
@@ -452,10 +469,6 @@ def _is_checkpointing(model: PreTrainedModel) -> bool:
     if hasattr(type(model), "is_activation_checkpointing"):
         return model.is_activation_checkpointing
     return model.is_gradient_checkpointing
-
-
-def _model_type(path: Path) -> str:
-    return AutoConfig.from_pretrained(path, local_files_only=True).model_type
 
 
 def _add_adapters(

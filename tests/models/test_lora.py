@@ -115,17 +115,23 @@ def test_lora_on_the_output_layer(tiny_gpt2):
     }
 
 
-def test_point_head_is_a_param_trained_by_fit_map(minilm):
+def test_point_head_is_a_param_trained_by_fit_map(minilm, tmp_path):
     lora = lora_model(minilm, "classification", head="point")
     batch = _classification_batch(lora.tokenizer)
     heads = _trainable(lora, ".modules_to_save.")
     assert set(lora.net.point_sites) == heads
     assert set(lora.net.random_sites) == _trainable(lora, "lora_")
     before = {site: lora.net.parameter(site).detach().clone() for site in heads}
-    fit_map(lora.model, batch, 100, num_steps=1, progress=False)
+    fitted = fit_map(lora.model, batch, 100, num_steps=1, progress=False)
     store = pyro.get_param_store()
     assert set(store.keys()) == heads
     assert all(not torch.equal(store[site], before[site]) for site in heads)
+    # The trained head is saved with the adapters, and loading it replaces the param.
+    lora.save_adapter(tmp_path, fitted)
+    trained = {site: store[site].detach().clone() for site in heads}
+    lora.load_adapter(tmp_path)
+    assert not set(store.keys()) & heads
+    assert all(torch.equal(lora.net.parameter(site), trained[site]) for site in heads)
 
 
 def test_adapter_round_trip(minilm, tmp_path):
@@ -206,6 +212,7 @@ def test_bf16_base_with_float32_adapters(tiny_llama, token_batch):
 
 
 def test_loads_a_directory_with_dtype_and_device_map(tiny_llama, word_tokenizer, tmp_path):
+    pytest.importorskip("accelerate")  # transformers places models with accelerate
     tiny_llama().save_pretrained(tmp_path)
     word_tokenizer.save_pretrained(tmp_path)
     ids = word_tokenizer.convert_tokens_to_ids(["A", "B"])
