@@ -332,8 +332,10 @@ def lora_model(
     layers, batches are moved to the device of the first layer and labels to the
     logits' device. ``gradient_checkpointing=True`` uses
     :func:`~pyro_bdl.models.checkpointing.enable_checkpointing`, which recomputes with
-    the sampled weights (the model's own ``gradient_checkpointing_enable`` would not).
-    Quantised (4-bit / 8-bit) bases are not covered.
+    the sampled weights; the model's own ``gradient_checkpointing_enable`` would recompute
+    with the module's weights and give wrong gradients, so a base that has it on is
+    switched to ours, and it must not be called after :func:`lora_model`. Only the
+    single-device CPU paths are tested; quantised (4-bit / 8-bit) bases are not covered.
 
     **References**
 
