@@ -450,12 +450,12 @@ class LaplaceGuide(AutoGuide):
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
         self._check_fitted()
+        return self._evidence(self._resolve(prior_precision))
+
+    def _evidence(self, delta: dict[str, torch.Tensor]) -> torch.Tensor:
+        # differentiable in delta, which the prior_precision setter would detach
         return log_marginal_likelihood(
-            self._log_likelihood,
-            self._blocks,
-            self._loc,
-            self._prior_loc,
-            self._resolve(prior_precision),
+            self._log_likelihood, self._blocks, self._loc, self._prior_loc, delta
         )
 
     def optimize_prior_precision(
@@ -505,9 +505,7 @@ class LaplaceGuide(AutoGuide):
                 group: torch.stack([self._prior_precision[s].mean() for s in members]).mean()
                 for group, members in groups.items()
             }
-            self._prior_precision = maximise_evidence(
-                self.log_marginal_likelihood, groups, init, num_steps, lr
-            )
+            self._prior_precision = maximise_evidence(self._evidence, groups, init, num_steps, lr)
         elif method == "gridsearch":
             if not val_args and not val_kwargs:
                 raise ValueError(

@@ -1,0 +1,162 @@
+"""LaplaceGuide as a Pyro guide: sampling, Predictive, export, and its errors."""
+
+import json
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import Predictive
+from torch.utils.data import DataLoader, TensorDataset
+
+import pyro_bdl as bdl
+from pyro_bdl.inference import KronLowRank, LaplaceGuide
+from pyro_bdl.predict import predict_proba
+
+CURVATURES = ["diag_ggn", "diag_ef", "kron", KronLowRank(rank=3), "full"]
+
+
+def fitted(helpers, curvature, temperature=1.0, bias=False):
+    network = helpers.mlp(bias=bias)
+    x, y = helpers.classification_data()
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(0.5))
+    guide = LaplaceGuide(helpers.classifier(net), curvature=curvature, temperature=temperature)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    guide.fit(loader, len(x), map=False, progress=False)
+    return guide, net, x, y
+
+
+@pytest.mark.parametrize("curvature", CURVATURES, ids=str)
+def test_draws_have_the_covariance_of_the_precision(helpers, curvature):
+    guide, _, _, _ = fitted(helpers, curvature, temperature=0.5)
+    num_draws = 20000
+    draws = guide.sample_posterior(num_draws, torch.Generator().manual_seed(0))
+    loc = guide.median()
+    for block in guide._blocks:
+        covariance = 0.5 * torch.linalg.inv(helpers.dense_precision(block, guide.prior_precision))
+        flat = torch.cat([(draws[s] - loc[s]).flatten(1) for s in block.sites], 1)
+        estimate = flat.T @ flat / num_draws
+        # Standard error of a second-moment entry: sqrt((S_ii S_jj + S_ij^2) / n); allow 5.
+        var = covariance.diagonal()
+        error = ((var[:, None] * var[None, :] + covariance**2) / num_draws).sqrt()
+        assert torch.all((estimate - covariance).abs() <= 5 * error)
+        mean_error = (var / num_draws).sqrt()
+        assert torch.all(flat.mean(0).abs() <= 5 * mean_error)
+
+
+@pytest.mark.parametrize("curvature", ["diag_ggn", "kron", "full"])
+def test_the_guide_trace_has_the_gaussian_log_density(helpers, curvature):
+    guide, _, x, y = fitted(helpers, curvature)
+    trace = pyro.poutine.trace(guide).get_trace((x, y), len(x))
+    loc = guide.median()
+    log_density = 0.0
+    for block in guide._blocks:
+        precision = helpers.dense_precision(block, guide.prior_precision)
+        flat = torch.cat([(trace.nodes[s]["value"] - loc[s]).flatten() for s in block.sites])
+        gaussian = dist.MultivariateNormal(torch.zeros_like(flat), precision_matrix=precision)
+        log_density = log_density + gaussian.log_prob(flat)
+    assert torch.allclose(trace.log_prob_sum(), log_density)
+
+
+def test_predictive_and_predict_proba_draw_through_the_guide(helpers):
+    guide, net, x, y = fitted(helpers, "kron")
+    draws = Predictive(guide.model, guide=guide, num_samples=3)((x[:5], None), len(x))
+    # Predictive pads global sites with a dimension for the model's data plate.
+    assert draws["0.weight"].shape == (3, 1, 8, 5) and draws["y"].shape == (3, 5)
+    assert not torch.allclose(draws["0.weight"][0], draws["0.weight"][1])
+    probs = predict_proba(guide.model, (x[:5], None), len(x), guide=guide, num_samples=4)
+    assert probs.shape == (4, 5, 3)
+    assert torch.allclose(probs.sum(-1), torch.ones(4, 5))
+    assert not torch.allclose(probs[0], probs[1])
+
+
+def test_median_quantiles_and_temperature(helpers):
+    cold, net, _, _ = fitted(helpers, "kron", temperature=0.25)
+    warm, _, _, _ = fitted(helpers, "kron")
+    assert all(torch.equal(v, net.init_values()[k]) for k, v in cold.median().items())
+    for name, variance in warm.variance().items():
+        assert torch.allclose(cold.variance()[name], 0.25 * variance)
+    quantiles = cold.quantiles([0.5, 0.8413447460685429])
+    sd = cold.variance()["2.weight"].sqrt()
+    assert torch.allclose(quantiles["2.weight"][0], cold.median()["2.weight"])
+    assert torch.allclose(quantiles["2.weight"][1], cold.median()["2.weight"] + sd)
+
+
+@pytest.mark.parametrize("curvature", CURVATURES, ids=str)
+def test_exports_for_arviz(helpers, curvature):
+    guide, _, x, y = fitted(helpers, curvature, bias=True)
+    parameters = guide.approximation_parameters()
+    for site in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        assert parameters[f"{site}.loc"].shape == parameters[f"{site}.scale"].shape
+    settings = guide.hyperparameters()
+    json.dumps(settings)
+    assert settings["num_data"] == 60 and settings["num_params"] == 5 * 8 + 8 + 8 * 3 + 3
+    assert math.isclose(settings["prior_precision"], 4.0)
+    idata = bdl.to_arviz(guide, num_samples=4, model_args=((x, y), len(x)))
+    assert idata.posterior["0.weight"].shape[:2] == (1, 4)
+
+
+def test_map_is_fitted_by_default(helpers):
+    network = helpers.mlp()
+    x, y = helpers.classification_data()
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
+    model = helpers.classifier(net)
+
+    def largest_gradient(values):
+        values = {k: v.clone().requires_grad_() for k, v in values.items()}
+        trace = pyro.poutine.trace(pyro.poutine.condition(model, values)).get_trace((x, y), 60)
+        grads = torch.autograd.grad(trace.log_prob_sum(), list(values.values()))
+        return max(g.abs().max() for g in grads)
+
+    guide = LaplaceGuide(model, curvature="diag_ggn")
+    loader = DataLoader(TensorDataset(x, y), batch_size=60)
+    guide.fit(loader, 60, num_steps=100, optimizer=pyro.optim.Adam({"lr": 0.05}), progress=False)
+    # The fitted values are near a stationary point of the log joint, the module's are not.
+    assert largest_gradient(guide.median()) < 0.1 * largest_gradient(net.init_values())
+
+
+def test_errors_name_the_argument_and_the_fix(helpers, linear_gaussian):
+    problem = linear_gaussian
+    with pytest.raises(ValueError, match="curvature must be one of"):
+        LaplaceGuide(problem.model, curvature="kfac")
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        LaplaceGuide(problem.model, temperature=0.0)
+    guide = LaplaceGuide(problem.model)
+    with pytest.raises(RuntimeError, match="fit"):
+        guide.median()
+    with pytest.raises(ValueError, match="prior_precision of 'w' must be positive"):
+        LaplaceGuide(problem.model, prior_precision=-1.0).fit(
+            problem.loader(), problem.num_data, map=False, progress=False
+        )
+    with pytest.raises(ValueError, match="no value for the latent sites"):
+        guide.fit(problem.loader(), problem.num_data, map={}, progress=False)
+
+    def in_plate(batch, num_data):
+        with pyro.plate("units", 3):
+            w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        bdl.observe("y", dist.Normal(batch[0] @ w, 1.0), batch[1], num_data)
+
+    with pytest.raises(ValueError, match="inside plate 'units'"):
+        LaplaceGuide(in_plate).fit(problem.loader(), problem.num_data, map=False, progress=False)
+
+    def laplace_prior(batch, num_data):
+        w = pyro.sample("w", dist.Laplace(0.0, 1.0).expand([3]).to_event(1))
+        bdl.observe("y", dist.Normal(batch[0] @ w, 1.0), batch[1], num_data)
+
+    with pytest.raises(ValueError, match="independent Normal"):
+        LaplaceGuide(laplace_prior).fit(
+            problem.loader(), problem.num_data, map=False, progress=False
+        )
+    network = helpers.mlp(bias=False)
+    x, y = helpers.classification_data()
+
+    class Varying:  # a scale per entry: K-FAC's eigenbasis cannot hold it
+        def distribution(self, name, param):
+            return bdl.priors.normal_prior(param, 0.0, torch.rand(param.shape) + 0.5)
+
+    net = bdl.lift(network, prior=Varying())
+    with pytest.raises(ValueError, match="prior_precision=<float>"):
+        LaplaceGuide(helpers.classifier(net), curvature="kron").fit(
+            DataLoader(TensorDataset(x, y), batch_size=20), 60, map=False, progress=False
+        )
