@@ -15,13 +15,17 @@ One forward pass and one backward pass per column give them for a whole batch:
   K-FAC uses :math:`a` and :math:`b` directly. Recording calls rather than hooking
   modules needs no handle on the network, so it serves lifted modules and plain
   ``pyro.sample`` weights alike;
+* a site used as the table of :func:`torch.nn.functional.embedding` is handled the
+  same way: :math:`g_i` adds the output gradients :math:`b_{i,t}` into the rows of the
+  example's tokens, a sparse matrix never formed densely (an embedding table is most of
+  the CNN-LSTM's 2.7M weights);
 * any other site gets dense per-example gradients from :func:`torch.func.vmap` over
   examples of :func:`torch.func.vjp` of the model run on one example (the model must
   be vmappable, as the hand-written CNN-LSTM is); if vmap fails, one example at a time.
 
 Before trusting the factored form for a site, the first batch checks that the summed
 per-example gradients equal autograd's gradient of the site; a weight that is also used
-outside ``linear`` (tied weights, say) falls back to the dense path.
+outside ``linear`` or ``embedding`` (tied weights, say) falls back to the dense path.
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ from torch.utils._pytree import tree_map
 
 from pyro_bdl.inference.laplace.observation import Observation
 
-__all__ = ["ModelJacobians", "Linearization", "SiteGradient", "LinearGradient", "DenseGradient"]
+__all__ = [
+    "ModelJacobians",
+    "Linearization",
+    "SiteGradient",
+    "LinearGradient",
+    "EmbeddingGradient",
+    "DenseGradient",
+]
 
 
 class SiteGradient:
@@ -50,6 +61,10 @@ class SiteGradient:
     def per_example(self) -> torch.Tensor:
         """Dense gradients, shaped ``(m, B, *site_shape)``."""
         raise NotImplementedError
+
+    def total(self, column: int) -> torch.Tensor:
+        """:math:`\\sum_i g_{c,i}` for one column ``c``, shaped like the site."""
+        return self.per_example()[column].sum(0)
 
     def sum_of_squares(self) -> torch.Tensor:
         """:math:`\\sum_{c,i} g_{c,i}^2`, shaped like the site."""
@@ -92,6 +107,11 @@ class LinearGradient(SiteGradient):
             return self.output_grads.sum(2)
         return torch.einsum("cbto,bti->cboi", self.output_grads, self.inputs)
 
+    def total(self, column):
+        if self.inputs is None:
+            return self.output_grads[column].sum((0, 1))
+        return torch.einsum("bto,bti->oi", self.output_grads[column], self.inputs)
+
     def sum_of_squares(self) -> torch.Tensor:
         if self.inputs is None or self.inputs.shape[1] > 1:
             return super().sum_of_squares()
@@ -105,6 +125,57 @@ class LinearGradient(SiteGradient):
         b, a = self.output_grads[:, :, 0], self.inputs[:, 0]
         weight = weight.expand(b.shape[-1], a.shape[-1])
         return torch.einsum("cbo,dbo,oi,bi->bcd", b, b, weight, a.square())
+
+
+@dataclass
+class EmbeddingGradient(SiteGradient):
+    """The factored gradients of an ``embedding`` table: sparse rows per example.
+
+    :ivar indices: the looked-up rows, ``(B, T)``.
+    :ivar output_grads: :math:`b`, shaped ``(m, B, T, d)``.
+    :ivar int num_embeddings: rows of the table.
+    """
+
+    indices: torch.Tensor
+    output_grads: torch.Tensor
+    num_embeddings: int
+
+    @functools.cached_property
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(example, row, gradient) of every distinct (example, row) pair."""
+        columns, batch, positions, dim = self.output_grads.shape
+        example = torch.arange(batch, device=self.indices.device).unsqueeze(1)
+        keys = (example * self.num_embeddings + self.indices).reshape(-1)
+        unique, inverse = torch.unique(keys, return_inverse=True)
+        grads = self.output_grads.new_zeros(columns, len(unique), dim)
+        grads.index_add_(1, inverse, self.output_grads.reshape(columns, -1, dim))
+        return unique // self.num_embeddings, unique % self.num_embeddings, grads
+
+    def per_example(self):
+        example, row, grads = self._rows
+        columns, batch, _, dim = self.output_grads.shape
+        dense = grads.new_zeros(columns, batch, self.num_embeddings, dim)
+        dense[:, example, row] = grads
+        return dense
+
+    def total(self, column):
+        dim = self.output_grads.shape[-1]
+        table = self.output_grads.new_zeros(self.num_embeddings, dim)
+        return table.index_add_(
+            0, self.indices.reshape(-1), self.output_grads[column].reshape(-1, dim)
+        )
+
+    def sum_of_squares(self):
+        _, row, grads = self._rows
+        table = grads.new_zeros(self.num_embeddings, grads.shape[-1])
+        return table.index_add_(0, row, grads.square().sum(0))
+
+    def gram(self, weight):
+        example, row, grads = self._rows
+        columns, batch = self.output_grads.shape[:2]
+        weight = weight.expand(self.num_embeddings, grads.shape[-1])[row]
+        per_row = torch.einsum("cud,ud,eud->uce", grads, weight, grads)
+        return per_row.new_zeros(batch, columns, columns).index_add_(0, example, per_row)
 
 
 class _RunAt(Messenger):
@@ -135,35 +206,58 @@ class _RunAt(Messenger):
 
 
 @dataclass
-class _LinearCall:
+class _Call:
+    """One ``linear`` or ``embedding`` call that uses a latent site."""
+
+    kind: str
     weight_site: str | None
     bias_site: str | None
-    inputs: torch.Tensor
+    inputs: torch.Tensor  # linear: activations a; embedding: indices
     output: torch.Tensor
     version: int
+    padding_idx: int | None = None
 
 
-class _RecordLinear(TorchFunctionMode):
-    """Record every ``linear`` call whose weight or bias is a latent site's value."""
+class _RecordCalls(TorchFunctionMode):
+    """Record every ``linear``/``embedding`` call whose weight or bias is a site's value."""
 
     def __init__(self, sites_by_id: dict[int, str]):
         super().__init__()
         self.sites_by_id = sites_by_id
-        self.calls: list[_LinearCall] = []
+        self.calls: list[_Call] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
-        if func is F.linear:
-            inputs = args[0] if args else kwargs["input"]
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            weight_site = self.sites_by_id.get(id(weight))
+        if func is F.linear or func is F.embedding:
+            bound = _bind(func, args, kwargs)
+            weight_site = self.sites_by_id.get(id(bound["weight"]))
+            bias = bound.get("bias")
             bias_site = None if bias is None else self.sites_by_id.get(id(bias))
             if weight_site or bias_site:
-                call = _LinearCall(weight_site, bias_site, inputs.detach(), output, output._version)
-                self.calls.append(call)
+                kind = "linear" if func is F.linear else "embedding"
+                self.calls.append(
+                    _Call(
+                        kind,
+                        weight_site,
+                        bias_site,
+                        bound["input"].detach(),
+                        output,
+                        output._version,
+                        bound.get("padding_idx"),
+                    )
+                )
         return output
+
+
+_SIGNATURES = {
+    F.linear: ("input", "weight", "bias"),
+    F.embedding: ("input", "weight", "padding_idx"),
+}
+
+
+def _bind(func, args, kwargs) -> dict:
+    return {**dict(zip(_SIGNATURES[func], args)), **kwargs}
 
 
 def _is_example_batched(x, batch_size: int) -> bool:
@@ -202,7 +296,7 @@ class ModelJacobians:
         if output not in ("observation", "return"):
             raise ValueError(f"output must be 'observation' or 'return', got {output!r}")
         sites_by_id = {id(value): name for name, value in self.values.items()}
-        with torch.enable_grad(), _RecordLinear(sites_by_id) as record, _RunAt(self.values) as run:
+        with torch.enable_grad(), _RecordCalls(sites_by_id) as record, _RunAt(self.values) as run:
             returned = self.model(*args, **kwargs)
         if output == "observation":
             result = run.observation().natural
@@ -249,9 +343,9 @@ class Linearization:
         :param torch.Tensor columns: ``(m, *output.shape)``.
         """
         jacobians = self._jacobians
-        linear_sites = self._linear_sites()
-        calls = [c for c in self._calls if linear_sites & {c.weight_site, c.bias_site}]
-        unverified = [s for s in linear_sites if s not in jacobians.linear_verified]
+        factored_sites = self._factored_sites()
+        calls = [c for c in self._calls if factored_sites & {c.weight_site, c.bias_site}]
+        unverified = [s for s in factored_sites if s not in jacobians.linear_verified]
         output_grads = [[] for _ in calls]
         references = {}
         for c in range(columns.shape[0] if calls else 0):
@@ -268,9 +362,9 @@ class Linearization:
                 output_grads[k].append(torch.zeros_like(call.output) if grad is None else grad)
             if c == 0:
                 references = dict(zip(unverified, grads[len(calls) :]))
-        per_site = self._factored(linear_sites, calls, output_grads)
+        per_site = self._factored(factored_sites, calls, output_grads)
         for site, reference in references.items():
-            summed = per_site[site].per_example()[0].sum(0)
+            summed = per_site[site].total(0)
             reference = torch.zeros_like(summed) if reference is None else reference
             scale = reference.abs().max().item()
             ok = (summed - reference).abs().max().item() <= 1e-3 * scale + 1e-12
@@ -282,8 +376,8 @@ class Linearization:
             per_site.update(self._dense(dense_sites, columns))
         return per_site
 
-    def _linear_sites(self) -> set[str]:
-        """Sites whose every recorded use is a ``linear`` call over the batch."""
+    def _factored_sites(self) -> set[str]:
+        """Sites whose every recorded use is a ``linear``/``embedding`` call over the batch."""
         jacobians = self._jacobians
         candidates: dict[str, bool] = {}
         for call in self._calls:
@@ -303,22 +397,36 @@ class Linearization:
         batch = self.batch_size
         inputs: dict[str, list] = {}
         grads: dict[str, list] = {}
+        kinds: dict[str, str] = {}
         for call, grad in zip(calls, output_grads):
             b = torch.stack(grad)
             b = b.reshape(b.shape[0], batch, -1, b.shape[-1])
             if call.weight_site in sites:
-                inputs.setdefault(call.weight_site, []).append(
-                    call.inputs.reshape(batch, -1, call.inputs.shape[-1])
-                )
+                if call.kind == "linear":
+                    weight_inputs = call.inputs.reshape(batch, -1, call.inputs.shape[-1])
+                else:
+                    weight_inputs = call.inputs.reshape(batch, -1)
+                    if call.padding_idx is not None:  # the padding row gets no gradient
+                        b = b * (weight_inputs != call.padding_idx).unsqueeze(-1).to(b.dtype)
+                inputs.setdefault(call.weight_site, []).append(weight_inputs)
                 grads.setdefault(call.weight_site, []).append(b)
+                kinds[call.weight_site] = kinds.get(call.weight_site, call.kind)
+                if kinds[call.weight_site] != call.kind:
+                    kinds[call.weight_site] = "mixed"
             if call.bias_site in sites:
                 grads.setdefault(call.bias_site, []).append(b)
-        return {
-            site: LinearGradient(
-                torch.cat(inputs[site], 1) if site in inputs else None, torch.cat(grads[site], 2)
-            )
-            for site in grads
-        }
+                kinds[call.bias_site] = "linear"
+        result = {}
+        for site, parts in grads.items():
+            if kinds[site] == "embedding":
+                table = self._jacobians.values[site]
+                result[site] = EmbeddingGradient(
+                    torch.cat(inputs[site], 1), torch.cat(parts, 2), table.shape[0]
+                )
+            elif kinds[site] == "linear":
+                a = torch.cat(inputs[site], 1) if site in inputs else None
+                result[site] = LinearGradient(a, torch.cat(parts, 2))
+        return result
 
     def _dense(self, sites: list[str], columns: torch.Tensor) -> dict[str, SiteGradient]:
         jacobians = self._jacobians

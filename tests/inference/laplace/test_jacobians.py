@@ -131,3 +131,35 @@ def test_a_weight_used_outside_linear_is_detected_and_made_dense(problem):
     expected = reference(tied, net.init_values(), x, columns)
     for name, grad in grads.items():
         assert torch.allclose(grad.per_example(), expected[name], atol=1e-12)
+
+
+def test_embedding_tables_get_sparse_per_example_gradients():
+    pytest.importorskip("pyro_bdl.models")
+    from pyro_bdl.models import CNNLSTM
+
+    torch.manual_seed(0)
+    module = CNNLSTM(
+        vocab_size=30, embedding_dim=6, num_filters=4, kernel_size=3, pool_size=2, hidden_size=5
+    )
+    module.embedding.padding_idx = 0  # the padding row must get no gradient
+    net = bdl.lift(module, prior=bdl.priors.IIDNormal(1.0))
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 30, (4, 12), generator=generator)
+    x[0, :3] = 0
+    y = torch.randint(0, 2, (4,), generator=generator)
+    jacobians = ModelJacobians(model_of(net), net.init_values())
+    grads, columns = gradients(jacobians, x, y)
+    kinds = {name: type(grad).__name__ for name, grad in grads.items()}
+    assert kinds["embedding.weight"] == "EmbeddingGradient"
+    assert kinds["lstm.weight_ih"] == kinds["lstm.bias"] == kinds["fc.weight"] == "LinearGradient"
+    assert kinds["conv.weight"] == kinds["lstm.weight_hh"] == "DenseGradient"  # vmapped
+    expected = reference(module, net.init_values(), x, columns)
+    for name, grad in grads.items():
+        assert torch.allclose(grad.per_example(), expected[name], atol=1e-12), name
+    table = grads["embedding.weight"]
+    dense = DenseGradient(table.per_example())
+    weight = torch.rand(30, 6)
+    assert torch.all(table.per_example()[:, :, 0] == 0)
+    assert torch.allclose(table.sum_of_squares(), dense.sum_of_squares(), atol=1e-12)
+    assert torch.allclose(table.gram(weight), dense.gram(weight), atol=1e-12)
+    assert torch.allclose(table.total(0), dense.total(0), atol=1e-12)
