@@ -140,8 +140,14 @@ class BLoBGuide(MeanFieldGuide):
 
 
 def _check_asymmetric(net: LiftedModule) -> None:
-    random = set(net.random_sites.values())
+    random = sorted(net.random_sites.values())
     point = set(net.point_sites.values())
+    random_b = [name for name in random if "lora_B" in name]
+    if random_b:
+        raise ValueError(
+            f"BLoBGuide: {random_b[0]!r} is random; BLoB keeps B a point estimate with no KL "
+            "and no noise (section 3.1): lift it with point='lora_B'"
+        )
     for name in random:
         if "lora_A" not in name:
             raise ValueError(
@@ -149,11 +155,6 @@ def _check_asymmetric(net: LiftedModule) -> None:
                 "posterior on LoRA A only (section 3.1): lift with random='lora_A'"
             )
         b_name = name.replace("lora_A", "lora_B")
-        if b_name in random:
-            raise ValueError(
-                f"BLoBGuide: {b_name!r} is random; BLoB keeps B a point estimate with no KL "
-                "and no noise (section 3.1): lift it with point='lora_B'"
-            )
         if b_name not in point:
             raise ValueError(
                 f"BLoBGuide: the LoRA B matrix {b_name!r} beside {name!r} is not lifted, so it "

@@ -212,6 +212,13 @@ class MeanFieldGuide(AutoGuide):
 
 
 def _check_site(guide: str, name: str, site: dict) -> None:
+    if any(frame.vectorized for frame in site["cond_indep_stack"]):
+        raise ValueError(
+            f"{guide}: site {name!r} is inside a plate; this guide handles global weights "
+            "only (sites outside any plate, as bdl.lift makes them). If it is a likelihood "
+            "observed without obs, give the guide its first call (or SVI step) with the data: "
+            "the guide's sites are those of that first call"
+        )
     support = site["fn"].support
     while isinstance(support, constraints.independent):
         support = support.base_constraint
@@ -220,9 +227,4 @@ def _check_site(guide: str, name: str, site: dict) -> None:
             f"{guide}: site {name!r} has support {site['fn'].support}; a Normal guide needs "
             "real support (lifted weights have it); reparametrise the site or use "
             "pyro.infer.autoguide.AutoNormal"
-        )
-    if any(frame.vectorized for frame in site["cond_indep_stack"]):
-        raise ValueError(
-            f"{guide}: site {name!r} is inside a plate; this guide handles global weights "
-            "only (sites outside any plate, as bdl.lift makes them)"
         )
