@@ -16,20 +16,23 @@ class SGNHT(SGMCMCKernel):
 
     SGHMC whose friction is a scalar thermostat :math:`\xi` that adapts until the
     kinetic energy per dimension matches the temperature (Appendix B.3 of the
-    posteriors paper, user temperature :math:`T = N\mathcal{T}`, :math:`d` parameters):
+    posteriors paper, user temperature :math:`T = N\mathcal{T}`, :math:`d` parameters,
+    :math:`g` the minibatch gradient of the log joint):
 
     .. math::
 
-        m &\leftarrow m + \frac{\epsilon}{N} g - \frac{\epsilon\xi}{\sigma^2} m
-            + \sqrt{\frac{2\epsilon T\alpha}{N}}\,\zeta, \qquad \zeta\sim\mathcal{N}(0, I), \\
-        \theta &\leftarrow \theta + \frac{\epsilon}{\sigma^2} m, \\
-        \xi &\leftarrow \xi + \epsilon\left(\frac{m^\top m}{\sigma^2 d} - \frac{T}{N}\right).
+        \theta_{k+1} &= \theta_k + \frac{\epsilon}{\sigma^2} m_k, \\
+        m_{k+1} &= m_k + \frac{\epsilon}{N} g(\theta_k) - \frac{\epsilon\xi_k}{\sigma^2} m_k
+            + \sqrt{\frac{2\epsilon T\alpha}{N}}\,\zeta_k, \qquad \zeta_k\sim\mathcal{N}(0, I), \\
+        \xi_{k+1} &= \xi_k + \epsilon\left(\frac{m_k^\top m_k}{\sigma^2 d} - \frac{T}{N}\right),
 
-    As in Ding et al. (2014, Algorithm 2) and in :class:`SGHMC`, the position and the
-    thermostat use the new momentum. :math:`\alpha` sets only the injected noise
-    (:math:`\alpha = 0` is a reasonable choice); :math:`\xi` starts at :math:`\alpha`
-    and momenta at zero. Note that at :math:`T = 0` the thermostat can only grow and
-    the dynamics do not reduce to an optimiser (Appendix C).
+    the explicit Euler-Maruyama step of B.3: every variable moves from the current
+    state. :math:`\alpha` sets only the injected noise (:math:`\alpha = 0` is a reasonable
+    choice); :math:`\xi` starts at :math:`\alpha` and momenta at zero. The thermostat
+    equalises the kinetic energy of the discretised momenta, which biases the position
+    variance by :math:`O(\epsilon\alpha/\sigma^2)`; keep that product small. At
+    :math:`T = 0` the thermostat can only grow and the dynamics do not reduce to an
+    optimiser (Appendix C).
 
     **References**
 
@@ -79,17 +82,18 @@ class SGNHT(SGMCMCKernel):
         return {"thermostat": float(self.thermostat) if hasattr(self, "thermostat") else math.nan}
 
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
+        # Explicit Euler as in Appendix B.3: position, momentum and thermostat all move
+        # from the current momentum m_k (the gradient is already at theta_k).
         m = self.momenta
-        friction = 1 - step_size * float(self.thermostat) / self.mass
-        torch._foreach_mul_(m, friction)
+        kinetic = sum(float(torch.dot(x.reshape(-1), x.reshape(-1))) for x in m)
+        torch._foreach_add_(theta, m, alpha=step_size / self.mass)
+        torch._foreach_mul_(m, 1 - step_size * float(self.thermostat) / self.mass)
         torch._foreach_add_(m, grads, alpha=step_size / self.num_data)
         if self.temperature > 0:
             noise_scale = math.sqrt(
                 2 * step_size * self.temperature * self.friction / self.num_data
             )
             torch._foreach_add_(m, self.standard_normal(), alpha=noise_scale)
-        torch._foreach_add_(theta, m, alpha=step_size / self.mass)
-        kinetic = sum(float(torch.dot(x.reshape(-1), x.reshape(-1))) for x in m)
         self.thermostat += step_size * (
             kinetic / (self.mass * self.dimension) - self.temperature / self.num_data
         )
