@@ -6,7 +6,7 @@ Example::
     net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(scale=0.2), random="lora_")
 """
 
-from pyro_bdl import data, priors
+from pyro_bdl import data, diagnostics, metrics, priors
 from pyro_bdl.arviz import to_arviz
 from pyro_bdl.lift import LiftedModule, init_to_module, lift
 from pyro_bdl.likelihoods import observe
@@ -21,5 +21,17 @@ __all__ = [
     "to_arviz",
     "priors",
     "data",
+    "metrics",
+    "diagnostics",
+    "models",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # pyro_bdl.models imports transformers and peft (seconds); load it on first use.
+    if name == "models":
+        import importlib
+
+        return importlib.import_module("pyro_bdl.models")
+    raise AttributeError(f"module 'pyro_bdl' has no attribute {name!r}")

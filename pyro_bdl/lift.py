@@ -10,6 +10,11 @@ never registered, never given a gradient and never copied.
 
 We do not use ``pyro.nn.module.to_pyro_module_``: it fails on Hugging Face classes
 with a metaclass conflict and would register the frozen base as trainable.
+
+Activation checkpointing recomputes layers during the backward pass, after
+``functional_call`` has put the module's own weights back: turn it on with
+:func:`pyro_bdl.models.enable_checkpointing`, never with the model's own
+``gradient_checkpointing_enable``, or the gradients belong to the wrong weights.
 """
 
 from __future__ import annotations
