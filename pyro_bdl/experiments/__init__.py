@@ -1,0 +1,34 @@
+"""The papers' experiments at laptop scale, run by ``pyro-bdl experiment NAME``.
+
+Each experiment is a module with ``run(experiment: Experiment) -> dict`` that writes
+``results.json`` and its PNG figures into ``experiment.out`` and returns the results.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
+
+__all__ = ["EXPERIMENTS", "Experiment", "run_experiment", "markdown_table", "mean_sd"]
+
+# name -> module; imported on use, since each pulls in models and data.
+EXPERIMENTS = {
+    "calibration": "pyro_bdl.experiments.calibration",
+    "cold-posterior": "pyro_bdl.experiments.cold_posterior",
+    "continual": "pyro_bdl.experiments.continual",
+    "ood": "pyro_bdl.experiments.ood",
+}
+
+
+def run_experiment(name: str, **options) -> dict:
+    """Run experiment ``name`` with the options of :class:`Experiment`.
+
+    Example::
+
+        run_experiment("calibration", data_dir="../shared/data", out="results/cal", quick=True)
+    """
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
+    module = importlib.import_module(EXPERIMENTS[name])
+    return module.run(Experiment(name=name, **options))

@@ -1,0 +1,146 @@
+"""What every experiment shares: settings, cached cells, ``results.json`` and tables.
+
+An experiment is a grid of *cells* (dataset x method x seed, or whatever its axes
+are). Each finished cell is written to ``<out>/cells/<key>.json`` as soon as it is done,
+so an interrupted run resumes where it stopped and ``--datasets`` / ``--methods`` can
+restrict a run without losing the rest. ``results.json`` gathers every number, the
+settings, the library version and the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import pyro_bdl
+
+__all__ = ["Experiment", "markdown_table", "mean_sd"]
+
+
+@dataclass
+class Experiment:
+    """The run of one experiment: where it reads and writes, and what it covers.
+
+    :param str name: the experiment's name (``calibration``, ``cold-posterior``, ...).
+    :param Path data_dir: the directory holding the datasets.
+    :param Path out: the output directory.
+    :param bool quick: the CI-sized version (finishes in under two minutes).
+    :param seeds: seeds to run.
+    :param datasets: restrict to these datasets (None: all).
+    :param methods: restrict to these methods (None: all).
+    """
+
+    name: str
+    data_dir: Path
+    out: Path
+    quick: bool = False
+    seeds: Sequence[int] = (0, 1, 2)
+    datasets: Sequence[str] | None = None
+    methods: Sequence[str] | None = None
+    settings: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self):
+        self.data_dir = Path(self.data_dir)
+        self.out = Path(self.out)
+        if not self.data_dir.is_dir():
+            raise FileNotFoundError(
+                f"--data-dir: {self.data_dir} is not a directory; pass the folder that holds "
+                "the datasets (e.g. ../shared/data)"
+            )
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "cells").mkdir(exist_ok=True)
+
+    def selected(self, kind: str, names: Iterable[str]) -> list[str]:
+        """The names of ``kind`` ("datasets" or "methods") this run covers, checked."""
+        names = list(names)
+        chosen = getattr(self, kind)
+        if chosen is None:
+            return names
+        unknown = sorted(set(chosen) - set(names))
+        if unknown:
+            raise ValueError(f"--{kind}: {unknown} are not among {names}")
+        return [name for name in names if name in chosen]
+
+    def cell(self, key: Sequence, compute: Callable[[], dict]) -> dict:
+        """The result of one cell, computed once and cached on disk.
+
+        :param key: the cell's coordinates, e.g. ``("sst2", "MAP", 0)``.
+        :param compute: returns a JSON-serialisable dict of the cell's numbers.
+        """
+        path = self.out / "cells" / (_slug("__".join(map(str, key))) + ".json")
+        if path.exists():
+            return json.loads(path.read_text())
+        started = time.perf_counter()
+        result = compute()
+        result = {**result, "wall_time_s": time.perf_counter() - started}
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(_plain(result), indent=1))
+        partial.replace(path)
+        return result
+
+    def write_results(self, results: dict) -> Path:
+        """Write ``results.json``: the numbers, settings, version and wall time."""
+        payload = {
+            "experiment": self.name,
+            "quick": self.quick,
+            "seeds": list(self.seeds),
+            "settings": self.settings,
+            "results": results,
+            "library_version": pyro_bdl.__version__,
+            "torch_version": torch.__version__,
+            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+            "wall_time_s": time.perf_counter() - self.started,
+        }
+        path = self.out / "results.json"
+        path.write_text(json.dumps(_plain(payload), indent=2))
+        return path
+
+
+def mean_sd(values: Sequence[float]) -> dict[str, float]:
+    """Mean and standard deviation (ddof 1; 0 for a single seed) of per-seed values."""
+    array = np.asarray(values, dtype=float)
+    sd = float(array.std(ddof=1)) if len(array) > 1 else 0.0
+    return {"mean": float(array.mean()), "sd": sd}
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """A markdown table of ``rows`` (dicts) with the given columns, numbers to 3 decimals."""
+
+    def show(value) -> str:
+        if isinstance(value, dict) and {"mean", "sd"} <= set(value):
+            return f"{value['mean']:.3f} ± {value['sd']:.3f}"
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(show(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", text)
+
+
+def _plain(value):
+    """JSON-serialisable copy: tensors and numpy values become lists and numbers."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if torch.is_tensor(value):
+        return value.detach().cpu().tolist()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
