@@ -1,0 +1,157 @@
+"""The BLoB-table baselines train, predict (S, B, C) probabilities, and keep to themselves."""
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import BertConfig, BertForSequenceClassification
+
+import pyro_bdl as bdl
+from pyro_bdl.inference import baselines
+from pyro_bdl.predict import predict_proba
+
+NUM_DATA, BATCH, STEPS = 32, 8, 60
+
+
+@pytest.fixture
+def task():
+    """A 1-layer BERT with LoRA (dropout 0.1) and labels that say whether token 7 occurs."""
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
+    base = BertForSequenceClassification(config).eval()
+    lora = LoraConfig(
+        r=2,
+        lora_alpha=2,
+        lora_dropout=0.1,
+        target_modules=["query", "value"],
+        modules_to_save=["classifier"],
+    )
+    net = bdl.lift(
+        get_peft_model(base, lora),
+        bdl.priors.IIDNormal(1.0),
+        random="lora_A",
+        point=lambda name, p: "lora_B" in name or "classifier" in name,
+    )
+
+    def model(batch, num_data=None):
+        logits = net(input_ids=batch["input_ids"]).logits
+        bdl.observe("y", dist.Categorical(logits=logits), batch.get("labels"), num_data)
+        return logits
+
+    model.net = net  # as BayesianNet models carry their network
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(8, 40, (NUM_DATA, 6), generator=generator)
+    labels = torch.randint(0, 2, (NUM_DATA,), generator=generator)
+    input_ids[labels == 1, 2] = 7
+    data = [{"input_ids": i, "labels": y} for i, y in zip(input_ids, labels)]
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=generator)
+    everything = {"input_ids": input_ids, "labels": labels}
+    return net, model, loader, everything
+
+
+def _nll(probs, labels):
+    return -probs.mean(0)[torch.arange(len(labels)), labels].log().mean().item()
+
+
+METHODS = {
+    "mle": ({}, 1),
+    "map_estimate": ({"weight_decay": 1e-2}, 1),
+    "mc_dropout": ({"num_samples": 5}, 5),
+    "deep_ensemble": ({"num_members": 3}, 3),
+    "bbb": ({"num_samples": 4}, 4),
+    "blob": ({"num_samples": 4, "kl_lr": 0.01}, 4),
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_each_baseline_trains_and_predicts_class_probabilities(task, method):
+    net, model, loader, everything = task
+    options, num_draws = METHODS[method]
+    with torch.no_grad():
+        untrained = predict_proba(
+            model, everything, samples={k: v[None] for k, v in net.init_values().items()}
+        )
+    pyro.set_rng_seed(0)
+    predictor = getattr(baselines, method)(
+        model, loader, NUM_DATA, num_steps=STEPS, lr=1e-2, progress=False, **options
+    )
+    probs = predictor(everything, NUM_DATA)
+    assert probs.shape == (num_draws, NUM_DATA, 2)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(num_draws, NUM_DATA))
+    if num_draws > 1:  # dropout passes, members and weight draws differ
+        assert torch.unique(probs, dim=0).shape[0] == num_draws
+    assert _nll(probs, everything["labels"]) < _nll(untrained, everything["labels"]) - 0.05
+
+
+def test_blob_with_no_samples_predicts_with_the_mean_weights(task):
+    net, model, loader, everything = task
+    predictor = baselines.blob(model, loader, NUM_DATA, num_steps=5, progress=False)
+    predictor.num_samples = 0
+    probs = predictor(everything, NUM_DATA)
+    assert probs.shape == (1, NUM_DATA, 2)
+    (member,) = predictor.members
+    with torch.no_grad():
+        with net.fixed({**member.median, **member.model_params}):
+            logits = net.module(input_ids=everything["input_ids"]).logits
+    torch.testing.assert_close(probs[0], torch.softmax(logits, -1))
+    assert torch.equal(predictor(everything, NUM_DATA), probs)  # no draw, no flipout
+
+
+def test_fits_on_one_network_do_not_disturb_each_others_predictions(task):
+    net, model, loader, everything = task
+    first = baselines.mle(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
+    blob = baselines.blob(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
+    before = first(everything, NUM_DATA), blob.members[0].median
+    # A later fit starts afresh: B from the module (zero), not from the earlier fits.
+    second = baselines.mle(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
+    torch.testing.assert_close(first(everything, NUM_DATA), before[0], rtol=0, atol=0)
+    assert not torch.equal(second(everything, NUM_DATA), before[0])
+    # BLoB's flipout hooks are off outside its own predictions.
+    assert not blob.members[0].guide.flipout
+    assert blob(everything, NUM_DATA).shape == (10, NUM_DATA, 2)
+
+
+def test_deep_ensemble_restores_the_modules_adapter(task):
+    net, model, loader, _ = task
+    initial = {
+        name: p.detach().clone() for name, p in net.module.named_parameters() if p.requires_grad
+    }
+    baselines.deep_ensemble(model, loader, NUM_DATA, num_steps=2, num_members=2, progress=False)
+    for name, p in net.module.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, initial[name]), name
+
+
+def test_missing_pieces_are_errors_naming_the_fix(task):
+    net, model, loader, _ = task
+    without_dropout = bdl.lift(
+        get_peft_model(
+            BertForSequenceClassification(
+                BertConfig(
+                    vocab_size=40,
+                    hidden_size=8,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    intermediate_size=8,
+                )
+            ),
+            LoraConfig(r=2, target_modules=["query"]),
+        ),
+        random="lora_A",
+        point="lora_B",
+    )
+    with pytest.raises(ValueError, match="lora_dropout"):
+        baselines.mc_dropout(model, loader, NUM_DATA, num_steps=1, net=without_dropout)
+    with pytest.raises(TypeError, match="net="):
+        baselines.mle(lambda batch, num_data: model(batch, num_data), loader, NUM_DATA, num_steps=1)
+    with pytest.raises(ValueError, match="num_members"):
+        baselines.deep_ensemble(model, loader, NUM_DATA, num_steps=1, net=net, num_members=0)
