@@ -281,20 +281,20 @@ class SGMCMCKernel(MCMCKernel):
         args, kwargs = self._batches.next()
         step_size = self.current_step_size()
         with torch.enable_grad():
-            log_joint = self._log_joint(args, kwargs)
-            grads = torch.autograd.grad(log_joint, self._theta)
-        potential = -float(log_joint.detach())
+            log_joint, grads = self._log_joint_and_grad(args, kwargs)
+        potential = -float(log_joint)
         if not math.isfinite(potential):
             self._diverged(f"the minibatch potential energy is {potential}")
         with torch.no_grad():
-            self._update(self._theta, list(grads), step_size)
+            self._update(self._theta, grads, step_size)
         self._step += 1
         self._last.update(potential_energy=potential, step_size=step_size)
         if record:
-            norms = torch._foreach_norm(list(grads))
+            norms = torch._foreach_norm(grads)
             self._last["grad_norm"] = float(torch.linalg.vector_norm(torch.stack(norms)))
 
-    def _log_joint(self, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _log_joint_and_grad(self, args: tuple, kwargs: dict):
+        """The minibatch log joint (detached) and its gradient, one tensor per site."""
         values = {}
         log_jacobian = 0.0
         for name, z in self._params.items():
@@ -304,9 +304,19 @@ class SGMCMCKernel(MCMCKernel):
             else:
                 values[name] = x = bijection(z)
                 log_jacobian = log_jacobian + bijection.log_abs_det_jacobian(z, x).sum()
-        with LogJoint(values) as log_joint:
+        with LogJoint(values, analytic_priors=True) as log_joint:
             self.model(*args, **kwargs)
-        return log_joint.value + log_jacobian
+        total = log_joint.value + log_jacobian
+        if torch.is_tensor(total) and total.requires_grad:
+            grads = torch.autograd.grad(total, self._theta, allow_unused=True)
+        else:
+            grads = [None] * len(self._theta)
+        grads = {
+            name: torch.zeros_like(z) if g is None else g
+            for (name, z), g in zip(self._params.items(), grads)
+        }
+        log_joint.add_prior_scores(grads)
+        return total.detach(), list(grads.values())
 
     def standard_normal(self) -> list[torch.Tensor]:
         """Fresh N(0, I) noise shaped like the parameters, in reused buffers."""
