@@ -1,0 +1,62 @@
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+import pyro_bdl as bdl
+from pyro_bdl.inference.log_joint import LogJoint
+
+
+def _model():
+    torch.manual_seed(0)
+    net = bdl.lift(torch.nn.Linear(3, 2).double(), bdl.priors.IIDNormal(0.7, loc=0.2))
+
+    def model(x, y):
+        with pyro.poutine.scale(scale=0.5):
+            extra = pyro.sample("extra", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+        logits = net(x) + extra
+        bdl.observe("y", dist.Categorical(logits=logits), y, num_data=10)
+
+    return net, model
+
+
+def test_log_joint_equals_the_trace_log_density():
+    net, model = _model()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    values = {
+        "weight": torch.randn(2, 3, dtype=torch.float64),
+        "bias": torch.randn(2, dtype=torch.float64),
+        "extra": torch.randn(2, dtype=torch.float64),
+    }
+    trace = pyro.poutine.trace(pyro.poutine.condition(model, data=values)).get_trace(x, y)
+    with LogJoint(values) as log_joint:
+        model(x, y)
+    assert torch.allclose(log_joint.value, trace.log_prob_sum())
+
+
+def test_analytic_prior_scores_equal_autograd():
+    net, model = _model()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    values = {
+        "weight": torch.randn(2, 3, dtype=torch.float64, requires_grad=True),
+        "bias": torch.randn(2, dtype=torch.float64, requires_grad=True),
+        "extra": torch.randn(2, dtype=torch.float64, requires_grad=True),
+    }
+    with LogJoint(values) as reference:
+        model(x, y)
+    expected = torch.autograd.grad(reference.value, list(values.values()))
+    with LogJoint(values, analytic_priors=True) as fast:
+        model(x, y)
+    assert set(fast.prior_scores) == {"weight", "bias"}  # "extra" is a plain Normal
+    assert torch.allclose(fast.value, reference.value)
+    grads = dict(zip(values, torch.autograd.grad(fast.value, list(values.values()))))
+    fast.add_prior_scores(grads)
+    for name, g in zip(values, expected):
+        assert torch.allclose(grads[name], g), name
+
+
+def test_a_latent_site_missing_from_values_is_an_error():
+    net, model = _model()
+    with pytest.raises(KeyError, match="latent site 'extra'"):
+        with LogJoint({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}):
+            model(torch.zeros(1, 3, dtype=torch.float64), torch.tensor([0]))
