@@ -1,0 +1,51 @@
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer.autoguide import AutoDelta
+
+import pyro_bdl as bdl
+from pyro_bdl.predict import predict_proba
+
+
+def _classifier():
+    torch.manual_seed(0)
+    net = bdl.lift(torch.nn.Linear(3, 4).double())
+
+    def model(x, num_data):
+        logits = net(x)
+        bdl.observe("y", dist.Categorical(logits=logits), None, num_data)
+        return logits
+
+    return net, model
+
+
+def test_one_softmax_per_draw_of_the_samples():
+    net, model = _classifier()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    samples = {
+        "weight": torch.randn(2, 4, 3, dtype=torch.float64),
+        "bias": torch.randn(2, 4, dtype=torch.float64),
+    }
+    probs = predict_proba(model, x, 10, samples=samples)
+    assert probs.shape == (2, 5, 4)
+    for i in range(2):
+        expected = torch.softmax(x @ samples["weight"][i].T + samples["bias"][i], -1)
+        assert torch.allclose(probs[i], expected)
+
+
+def test_guide_draws_and_fixed_weights():
+    net, model = _classifier()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    guide = AutoDelta(pyro.poutine.block(model, hide=["y"]))
+    probs = predict_proba(model, x, 10, guide=guide, num_samples=3)
+    assert probs.shape == (3, 5, 4) and torch.allclose(probs[0], probs[2])
+    draw = {
+        "weight": torch.zeros(4, 3, dtype=torch.float64),
+        "bias": torch.zeros(4, dtype=torch.float64),
+    }
+    with net.fixed(draw):
+        fixed = predict_proba(model, x, 10)
+    assert torch.allclose(fixed, torch.full((1, 5, 4), 0.25, dtype=torch.float64))
+    with pytest.raises(ValueError, match="num_samples"):
+        predict_proba(model, x, 10, guide=guide)
