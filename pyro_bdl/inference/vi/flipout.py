@@ -45,7 +45,10 @@ def flipout_linear(h: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor) -> 
 
 
 def _rademacher(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(0.5).mul_(2).sub_(1)
+    # randint is several times faster than bernoulli_ on CPU, and exact, unlike the sign of
+    # a uniform draw, which is 0 with a small probability.
+    signs = torch.randint(0, 2, shape, dtype=like.dtype, device=like.device)
+    return signs.mul_(2).sub_(1)
 
 
 class LoRAFlipout:

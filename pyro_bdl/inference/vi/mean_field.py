@@ -108,7 +108,10 @@ class MeanFieldGuide(AutoGuide):
         super().__init__(InitMessenger(init_loc_fn)(model))
 
     def _setup_prototype(self, *args, **kwargs) -> None:
-        super()._setup_prototype(*args, **kwargs)
+        # The guide keeps the prototype trace; without no_grad its return value would hold
+        # the autograd graph of a whole forward pass, activations included, for good.
+        with torch.no_grad():
+            super()._setup_prototype(*args, **kwargs)
         self._event_dims = {}
         self.locs = PyroModule()
         self.scale_params = PyroModule()
