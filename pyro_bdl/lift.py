@@ -97,6 +97,7 @@ class LiftedModule:
         self.module = module
         self.prefix = prefix
         self._params = dict(module.named_parameters())
+        self._aliases = _aliases(module, [*random_names, *point_names])
         self.random_sites = {prefix + name: name for name in random_names}
         self.point_sites = {prefix + name: name for name in point_names}
         self._prior_cache: dict[str, tuple[Any, dist.TorchDistribution]] = {}
@@ -172,7 +173,12 @@ class LiftedModule:
         for site, name in self.point_sites.items():
             param = self._params[name]
             values[name] = pyro.param(site, lambda param=param: param.detach().clone())
-        return functional_call(self.module, values, args, kwargs)
+        # Tied weights: every alias gets the value, so functional_call need not search
+        # the module for ties at each call (a walk over all its parameters).
+        for name, aliases in self._aliases.items():
+            for alias in aliases:
+                values[alias] = values[name]
+        return functional_call(self.module, values, args, kwargs, tie_weights=False)
 
     @contextlib.contextmanager
     def fixed(self, values: Mapping[str, torch.Tensor]) -> Iterator[LiftedModule]:
@@ -225,6 +231,19 @@ class LiftedModule:
             f"LiftedModule({type(self.module).__name__}, random={len(self.random_sites)} "
             f"tensors, point={len(self.point_sites)} tensors, prior={self._prior!r})"
         )
+
+
+def _aliases(module: torch.nn.Module, names: Sequence[str]) -> dict[str, list[str]]:
+    """For each chosen parameter, the other names under which the module holds it."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    chosen = {}
+    for name in names:
+        others = [n for n in by_tensor[id(module.get_parameter(name))] if n != name]
+        if others:
+            chosen[name] = others
+    return chosen
 
 
 def lift(
