@@ -19,9 +19,9 @@ the same way. The methods (BLoB, section 4.1 and Table 3):
 
 The paper's BBB "only Bayesianizes the A matrix, similar to BLoB": lift with
 ``random="lora_A", point="lora_B"`` for it; lifting every LoRA weight random gives BBB on
-A and B. Each fit starts the network's point weights (B) afresh from the module, and each
-predictor keeps its own copy of every fitted value, so methods fitted one after another
-on one network do not disturb each other's predictions.
+A and B. Each fit starts the network's point weights (B) afresh from the module, sets the prior
+it needs only for its own duration, and each predictor keeps its own copy of every fitted
+value, so methods fitted one after another on one network do not disturb each other.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.vi import BLoBGuide, MeanFieldGuide, fit_blob
 from pyro_bdl.lift import LiftedModule
 from pyro_bdl.predict import predict_proba
+from pyro_bdl.priors import IIDNormal
 
 __all__ = [
     "Predictor",
@@ -262,6 +263,7 @@ def bbb(
     net: LiftedModule | None = None,
     lr: float = 5e-4,
     init_scale: float = math.log1p(math.exp(-3.0)),
+    prior_std: float | None = 1.0,
     num_samples: int = 10,
     progress: bool = True,
     **kwargs,
@@ -271,10 +273,11 @@ def bbb(
     A :class:`~pyro_bdl.inference.MeanFieldGuide` with :math:`s = \log(1 + e^\rho)`,
     :math:`\rho` starting at -3 (Bayesian-Torch's default, which the paper adopts) and the
     means at the module's weights, trained with AdamW on the minibatch ELBO with its
-    closed-form KL (``TraceMeanField_ELBO``): no flipout, no KL re-weighting. The prior is
-    the lifted network's (Bayesian-Torch's default is ``IIDNormal(1.0)``).
+    closed-form KL (``TraceMeanField_ELBO``): no flipout, no KL re-weighting.
 
     :param float init_scale: the initial standard deviation.
+    :param float prior_std: the prior :math:`\mathcal{N}(0, \sigma^2)` of the fit
+        (Bayesian-Torch's default 1; None keeps the network's prior).
     :param int num_samples: weight draws per prediction.
 
     The other parameters are :func:`mle`'s.
@@ -287,9 +290,10 @@ def bbb(
     svi = SVI(model, guide, optimizer, TraceMeanField_ELBO())
     batches = Minibatches(args, kwargs)
     bar = trange(num_steps, desc="BBB", disable=not progress, leave=False)
-    for _ in bar:
-        step_args, step_kwargs = batches.next()
-        bar.set_postfix(loss=f"{svi.step(*step_args, **step_kwargs):.4g}", refresh=False)
+    with _prior(net, prior_std):
+        for _ in bar:
+            step_args, step_kwargs = batches.next()
+            bar.set_postfix(loss=f"{svi.step(*step_args, **step_kwargs):.4g}", refresh=False)
     member = _guide_member(guide, net, batches)
     return Predictor(model, [member], num_samples=num_samples, dropout=_lora_dropout(net))
 
@@ -315,7 +319,7 @@ def blob(
 
     :param float kl_lr: SGD's learning rate for the KL.
     :param float eps: initialisation of :math:`G`.
-    :param float prior_std: :math:`\\sigma_p` (None keeps the network's prior).
+    :param float prior_std: :math:`\\sigma_p` of the fit (None keeps the network's prior).
     :param bool flipout: flipout at the LoRA A projections.
     :param str kl_weighting: ``"exponential"`` or ``"uniform"``.
     :param int num_samples: weight draws per prediction; 0 predicts with the mean weights.
@@ -324,19 +328,20 @@ def blob(
     """
     net = _lifted(model, net)
     _forget_point_weights(net)
-    guide = BLoBGuide(model, net, eps=eps, prior_std=prior_std, flipout=flipout)
-    _forget_params(type(guide).__name__ + ".")
-    fit_blob(
-        model,
-        guide,
-        *args,
-        num_steps=num_steps,
-        lr=lr,
-        kl_lr=kl_lr,
-        kl_weighting=kl_weighting,
-        progress=progress,
-        **kwargs,
-    )
+    with _prior(net, prior_std):
+        guide = BLoBGuide(model, net, eps=eps, flipout=flipout)
+        _forget_params(type(guide).__name__ + ".")
+        fit_blob(
+            model,
+            guide,
+            *args,
+            num_steps=num_steps,
+            lr=lr,
+            kl_lr=kl_lr,
+            kl_weighting=kl_weighting,
+            progress=progress,
+            **kwargs,
+        )
     member = _guide_member(guide, net, Minibatches(args, kwargs))
     # The flipout hooks stay on the peft model while the guide lives; the predictor switches
     # them on for its own predictions only, so that later fits on the network run plain.
@@ -423,6 +428,19 @@ def _forget_params(*names_or_prefixes: str) -> None:
             name == key or (key.endswith(".") and name.startswith(key)) for key in names_or_prefixes
         ):
             del store[name]
+
+
+@contextlib.contextmanager
+def _prior(net: LiftedModule, prior_std: float | None) -> Iterator[None]:
+    """The network's prior is IIDNormal(prior_std) for the duration of one method's fit."""
+    if prior_std is None:
+        yield
+        return
+    previous, net.prior = net.prior, IIDNormal(prior_std)
+    try:
+        yield
+    finally:
+        net.prior = previous
 
 
 @contextlib.contextmanager

@@ -6,12 +6,12 @@ import math
 
 import torch
 
-from pyro_bdl.inference.sgmcmc.base import SGMCMCKernel, _check_positive
+from pyro_bdl.inference.sgmcmc.sghmc import SGHMC
 
 __all__ = ["SGNHT"]
 
 
-class SGNHT(SGMCMCKernel):
+class SGNHT(SGHMC):
     r"""Stochastic gradient Nose-Hoover thermostat, tempered.
 
     SGHMC whose friction is a scalar thermostat :math:`\xi` that adapts until the
@@ -63,23 +63,18 @@ class SGNHT(SGMCMCKernel):
         temperature: float = 1.0,
         **kwargs,
     ):
-        super().__init__(model, step_size, temperature, **kwargs)
-        self.friction = _check_positive("friction", friction, allow_zero=True)
-        self.mass = _check_positive("mass", mass)
-
-    def hyperparameters(self) -> dict:
-        return {**super().hyperparameters(), "friction": self.friction, "mass": self.mass}
+        super().__init__(model, step_size, friction, mass, temperature, **kwargs)
 
     def _init_state(self, theta: list[torch.Tensor]) -> None:
-        self.momenta = [torch.zeros_like(t) for t in theta]
+        super()._init_state(theta)
         self.thermostat = torch.tensor(self.friction, dtype=theta[0].dtype, device=theta[0].device)
         self.dimension = sum(t.numel() for t in theta)
 
     def _state(self) -> dict[str, object]:
-        return {"momenta": self.momenta, "thermostat": self.thermostat}
+        return {**super()._state(), "thermostat": self.thermostat}
 
     def _extra_stats(self) -> dict[str, float]:
-        return {"thermostat": float(self.thermostat) if hasattr(self, "thermostat") else math.nan}
+        return {"thermostat": float(self.thermostat)}
 
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         # Explicit Euler as in Appendix B.3: position, momentum and thermostat all move

@@ -101,6 +101,10 @@ class BLoBGuide(MeanFieldGuide):
             raise ValueError(f"BLoBGuide: eps must be a positive number, got {eps!r}")
         _check_asymmetric(net)
         if prior_std is not None:
+            if isinstance(prior_std, bool) or not (
+                isinstance(prior_std, (int, float)) and prior_std > 0
+            ):
+                raise ValueError(f"BLoBGuide: prior_std must be positive, got {prior_std!r}")
             net.prior = IIDNormal(prior_std)
         self.eps = float(eps)
         self.prior_std = prior_std

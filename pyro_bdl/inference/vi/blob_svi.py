@@ -98,6 +98,8 @@ class BLoBSVI:
         for name, value in (("lr", lr), ("kl_lr", kl_lr), ("weight_decay", weight_decay)):
             if not value >= 0:
                 raise ValueError(f"BLoBSVI: {name} must be >= 0, got {value!r}")
+        if not gamma > 0:
+            raise ValueError(f"BLoBSVI: gamma must be positive, got {gamma!r}")
         if not 0 <= warmup_ratio < 1:
             raise ValueError(f"BLoBSVI: warmup_ratio must be in [0, 1), got {warmup_ratio!r}")
         if kl_weighting not in _KL_WEIGHTINGS:

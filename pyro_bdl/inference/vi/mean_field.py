@@ -21,7 +21,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.infer.autoguide.utils import deep_setattr
 from pyro.nn.module import PyroModule, PyroParam
 
-from pyro_bdl.inference.vi.normal import VariationalNormal
+from pyro_bdl.inference.vi.normal import VariationalNormal, check_temperature
 from pyro_bdl.lift import init_to_module
 
 __all__ = ["MeanFieldGuide"]
@@ -98,11 +98,9 @@ class MeanFieldGuide(AutoGuide):
             isinstance(init_scale, (int, float)) and init_scale > 0
         ):
             raise ValueError(f"init_scale must be a positive number, got {init_scale!r}")
-        # Fails here, not at the first step, on a bad temperature.
-        VariationalNormal(torch.zeros(()), torch.ones(()), temperature)
         self.init_scale = float(init_scale)
         self.scale_parametrization = scale_parametrization
-        self.temperature = float(temperature)
+        self.temperature = check_temperature(temperature)
         self.stick_the_landing = bool(stick_the_landing)
         self._scale_fn, self._inverse_scale_fn = _SCALE_PARAMETRIZATIONS[scale_parametrization]
         super().__init__(InitMessenger(init_loc_fn)(model))

@@ -60,11 +60,7 @@ class VariationalNormal(dist.Normal):
         stick_the_landing: bool = False,
         validate_args: bool | None = None,
     ):
-        if isinstance(temperature, bool) or not (
-            isinstance(temperature, (int, float)) and temperature >= 0
-        ):
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-        self.temperature = float(temperature)
+        self.temperature = check_temperature(temperature)
         self.stick_the_landing = bool(stick_the_landing)
         super().__init__(loc, scale, validate_args=validate_args)
 
@@ -81,6 +77,15 @@ class VariationalNormal(dist.Normal):
         else:
             log_q = super().log_prob(value)
         return log_q if self.temperature == 1.0 else self.temperature * log_q
+
+
+def check_temperature(temperature: float) -> float:
+    """The temperature as a float, or a ``ValueError`` naming it."""
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and temperature >= 0
+    ):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    return float(temperature)
 
 
 @kl.register_kl(VariationalNormal, torch.distributions.Normal)
