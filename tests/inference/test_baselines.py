@@ -108,8 +108,10 @@ def test_blob_with_no_samples_predicts_with_the_mean_weights(task):
 
 def test_fits_on_one_network_do_not_disturb_each_others_predictions(task):
     net, model, loader, everything = task
+    prior = net.prior
     first = baselines.mle(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
     blob = baselines.blob(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
+    assert net.prior is prior  # BLoB's sigma_p = 0.2 held for its own fit only
     before = first(everything, NUM_DATA), blob.members[0].median
     # A later fit starts afresh: B from the module (zero), not from the earlier fits.
     second = baselines.mle(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)

@@ -200,3 +200,5 @@ def test_lifts_that_break_the_asymmetric_design_are_errors(make_lora_net, make_c
         BLoBGuide(model_of(net))
     with pytest.raises(ValueError, match="eps"):
         BLoBGuide(model_of(net), net, eps=0.0)
+    with pytest.raises(ValueError, match="prior_std"):
+        BLoBGuide(model_of(net), net, prior_std=-0.2)
