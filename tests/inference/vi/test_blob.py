@@ -202,3 +202,16 @@ def test_lifts_that_break_the_asymmetric_design_are_errors(make_lora_net, make_c
         BLoBGuide(model_of(net), net, eps=0.0)
     with pytest.raises(ValueError, match="prior_std"):
         BLoBGuide(model_of(net), net, prior_std=-0.2)
+
+
+def test_guide_exports_to_arviz_with_its_approximation_and_settings(make_lora_net, make_classifier):
+    net, model, guide = _guide(make_lora_net, make_classifier, eps=0.1)
+    x, y = torch.randn(6, 5, **F64), torch.zeros(6, dtype=torch.long)
+    idata = bdl.to_arviz(guide, num_samples=3, model_args=(x, y, 60))
+    (site,) = guide.site_names
+    assert idata["posterior"][site].shape == (1, 3, 2, 5)
+    scale = idata["approximation"][f"{site}.scale"].values
+    torch.testing.assert_close(
+        torch.as_tensor(scale), guide.approximation_parameters()[f"{site}.scale"]
+    )
+    assert idata["posterior"].attrs["eps"] == 0.1
