@@ -66,14 +66,17 @@ def fit_map(
     fitted_model = MaskPriors()(model) if mle else model
     _drop_params()
     guide = _FitMapDelta(fitted_model, init_loc_fn=init_loc_fn)
+    # Set the guide up without autograd: its prototype trace would otherwise keep the
+    # graph, and so the activations, of a whole forward pass for the entire fit.
+    first_args, first_kwargs = batches.peek()
+    with torch.no_grad():
+        guide(*first_args, **first_kwargs)
     svi = SVI(fitted_model, guide, optimizer or pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
     bar = trange(num_steps, desc="MLE" if mle else "MAP", disable=not progress, leave=False)
     for _ in bar:
         step_args, step_kwargs = batches.next()
         loss = svi.step(*step_args, **step_kwargs)
         bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-    if num_steps == 0:
-        guide(*batches.peek()[0], **batches.peek()[1])
     with torch.no_grad():
         fitted = {name: value.detach().clone() for name, value in guide.median().items()}
     # The guide's locations are returned; keeping them would make the next fit start
