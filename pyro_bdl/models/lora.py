@@ -276,6 +276,7 @@ def lora_model(
     dropout: float = 0.1,
     target_modules: Sequence[str] | None = None,
     head: str | None = None,
+    adapters_random: str = "AB",
     prior: Prior | None = None,
     prior_scale: float = 0.2,
     tokenizer: Any = None,
@@ -370,6 +371,9 @@ def lora_model(
     :param target_modules: names of the layers to adapt (default: peft's for the
         architecture: query/value for BERT, q_proj/v_proj for Llama, c_attn for GPT-2).
     :param str head: ``"random"``, ``"point"``, ``"lora"`` or ``"frozen"``, see above.
+    :param str adapters_random: ``"AB"`` (both LoRA factors are sample sites) or ``"A"``
+        (only A is; B is a ``pyro.param`` point estimate: the layout of BLoB, whose
+        :class:`~pyro_bdl.inference.BLoBGuide` needs it).
     :param prior: the prior of the random sites (any :mod:`pyro_bdl.priors` prior).
     :param float prior_scale: the standard deviation of the default IID normal prior.
     :param tokenizer: the tokenizer (default: loaded from the model directory). For a
@@ -394,6 +398,10 @@ def lora_model(
             "choice takes its number of choices from the batch)"
         )
     _check_hyperparameters(rank, alpha, dropout)
+    if adapters_random not in ("AB", "A"):
+        raise ValueError(
+            f"lora_model: adapters_random must be 'AB' or 'A', got {adapters_random!r}"
+        )
     if prior is None:
         if not (isinstance(prior_scale, (int, float)) and prior_scale > 0):
             raise ValueError(f"lora_model: prior_scale must be positive, got {prior_scale!r}")
@@ -417,7 +425,7 @@ def lora_model(
     peft_model = _add_adapters(
         model, architecture, adapter, head, rank, alpha, dropout, target_modules
     )
-    net = _lift_adapters(peft_model, prior, head)
+    net = _lift_adapters(peft_model, prior, head, adapters_random)
     if gradient_checkpointing or _is_checkpointing(model):
         enable_checkpointing(net)
     peft_model.eval()
@@ -508,9 +516,13 @@ def _add_adapters(
     return get_peft_model(model, config)
 
 
-def _lift_adapters(peft_model: PeftModel, prior: Prior, head: str) -> LiftedModule:
+def _lift_adapters(
+    peft_model: PeftModel, prior: Prior, head: str, adapters_random: str
+) -> LiftedModule:
     trainable = [name for name, p in peft_model.named_parameters() if p.requires_grad]
-    adapters = [name for name in trainable if "lora_" in name]
+    random_part = "lora_" if adapters_random == "AB" else "lora_A"
+    adapters = [name for name in trainable if random_part in name]
+    point_adapters = [name for name in trainable if "lora_" in name and name not in adapters]
     head_weights = [name for name in trainable if ".modules_to_save." in name]
     if head in ("random", "point") and not head_weights:
         raise ValueError(
@@ -518,5 +530,5 @@ def _lift_adapters(peft_model: PeftModel, prior: Prior, head: str) -> LiftedModu
             "was saved without modules_to_save); pass head='frozen' or 'lora'"
         )
     random = adapters + (head_weights if head == "random" else [])
-    point = head_weights if head == "point" else None
-    return lift(peft_model, prior, random=random, point=point)
+    point = point_adapters + (head_weights if head == "point" else [])
+    return lift(peft_model, prior, random=random, point=point or None)

@@ -75,6 +75,13 @@ def test_minilm_classification(minilm, minilm_tokenizer):
     _check_sghmc_leaves_the_base_untouched(lora, batch)
 
 
+def test_blob_layout_makes_only_lora_a_random(minilm):
+    lora = lora_model(minilm, "classification", num_labels=2, adapters_random="A")
+    names, _ = _latent_sites(lora.model, _classification_batch(lora.tokenizer))
+    assert set(names) == _trainable(lora, "lora_A") | _trainable(lora, ".modules_to_save.")
+    assert set(lora.net.point_sites) == _trainable(lora, "lora_B")
+
+
 def test_minilm_multiple_choice(minilm, minilm_tokenizer):
     lora = lora_model(minilm, "multiple_choice")
     batch = _multiple_choice_batch(minilm_tokenizer)
@@ -255,6 +262,7 @@ def test_eval_by_default_and_train_turns_dropout_on(tiny_llama, token_batch):
         ("minilm", {"dropout": 1.0}, ValueError, r"dropout must be in \[0, 1\)"),
         ("minilm", {"head": "bayesian"}, ValueError, "head must be one of"),
         ("minilm", {"prior_scale": 0}, ValueError, "prior_scale must be positive"),
+        ("minilm", {"adapters_random": "B"}, ValueError, "adapters_random must be"),
         ("/no/such/model", {}, ValueError, "is not a directory"),
         ("llama", {"task": "multiple_choice"}, ValueError, "needs label_token_ids"),
         ("llama", {"task": "classification"}, ValueError, "ForSequenceClassification"),
