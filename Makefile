@@ -3,6 +3,8 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PIP := $(PY) -m pip install --quiet -c requirements/constraints.txt
+# The datasets beside the checkout (as in CI); the demo's LoRA part uses SST-2 from it.
+DATA_DIR ?= ../shared/data
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -19,7 +21,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt requirements/peers-no-deps
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/pyro-bdl demo --out results/demo
+	$(VENV)/bin/pyro-bdl demo --out results/demo $(if $(wildcard $(DATA_DIR)/sst2),--data-dir $(DATA_DIR))
 
 test: $(STAMP)
 	$(PY) -m pytest -q

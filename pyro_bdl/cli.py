@@ -18,6 +18,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     demo.add_argument("--out", default="results/demo", help="output directory")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quick", action="store_true", help="small, CI-sized run")
+    demo.add_argument(
+        "--data-dir", help="folder with sst2/ for the LoRA language-model part (skipped without)"
+    )
     experiment = commands.add_parser("experiment", help="run one of the papers' experiments")
     experiment.add_argument("name", help="calibration, cold-posterior, continual or ood")
     experiment.add_argument("--data-dir", required=True, help="folder holding the datasets")
@@ -30,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "demo":
         from pyro_bdl.demo import run_demo
 
-        run_demo(args.out, seed=args.seed, quick=args.quick)
+        run_demo(args.out, seed=args.seed, quick=args.quick, data_dir=args.data_dir)
     elif args.command == "experiment":
         from pyro_bdl.experiments import run_experiment
 

@@ -5,15 +5,20 @@ import xarray as xr
 from pyro_bdl.cli import main
 
 
-def test_quick_demo_writes_its_results(tmp_path, capsys):
-    main(["demo", "--out", str(tmp_path), "--quick"])
+def test_quick_demo_writes_its_results(tmp_path, capsys, shared_data):
+    main(["demo", "--out", str(tmp_path), "--quick", "--data-dir", str(shared_data)])
     printed = capsys.readouterr().out
-    assert "| SGHMC |" in printed and "| SGLD |" in printed
     results = json.loads((tmp_path / "results.json").read_text())
-    for name, values in results["methods"].items():
-        assert 0.5 < values["accuracy"] <= 1.0, name
-        assert 0.0 <= values["ece"] <= 1.0 and values["nll"] > 0
-    for figure in ("trace.png", "reliability.png"):
+    digits = {"MAP (SGHMC, T=0)", "SGHMC", "SGLD", "Laplace diag GGN (GLM)", "Laplace K-FAC (GLM)"}
+    assert set(results["methods"]) == digits
+    assert set(results["lora_methods"]) == {"MAP", "Laplace-LoRA K-FAC (GLM)", "BLoB (N=10)"}
+    for name, values in {**results["methods"], **results["lora_methods"]}.items():
+        assert f"| {name} |" in printed
+        assert 0.0 <= values["accuracy"] <= 1.0 and 0.0 <= values["ece"] <= 1.0, name
+        assert values["nll"] > 0, name
+    for name in results["methods"]:  # the digits are easy: every method learns them
+        assert results["methods"][name]["accuracy"] > 0.8, name
+    for figure in ("trace.png", "reliability.png", "reliability_lora.png"):
         assert (tmp_path / figure).read_bytes()[:4] == b"\x89PNG"
     tree = xr.open_datatree(tmp_path / "posterior.nc", engine="h5netcdf")
     assert {"posterior", "sample_stats", "log_likelihood"} <= set(tree.children)
