@@ -260,6 +260,12 @@ def _bind(func, args, kwargs) -> dict:
     return {**dict(zip(_SIGNATURES[func], args)), **kwargs}
 
 
+def _concatenate(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    # One call needs no copy, and keeps the storage that layers reading the same input
+    # share (LoRA's query and value A), which K-FAC uses to compute their factor once.
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 def _is_example_batched(x, batch_size: int) -> bool:
     return torch.is_tensor(x) and x.dim() > 0 and x.shape[0] == batch_size
 
@@ -421,11 +427,11 @@ class Linearization:
             if kinds[site] == "embedding":
                 table = self._jacobians.values[site]
                 result[site] = EmbeddingGradient(
-                    torch.cat(inputs[site], 1), torch.cat(parts, 2), table.shape[0]
+                    _concatenate(inputs[site], 1), _concatenate(parts, 2), table.shape[0]
                 )
             elif kinds[site] == "linear":
-                a = torch.cat(inputs[site], 1) if site in inputs else None
-                result[site] = LinearGradient(a, torch.cat(parts, 2))
+                a = _concatenate(inputs[site], 1) if site in inputs else None
+                result[site] = LinearGradient(a, _concatenate(parts, 2))
         return result
 
     def _dense(self, sites: list[str], columns: torch.Tensor) -> dict[str, SiteGradient]:

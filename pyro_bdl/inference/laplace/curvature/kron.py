@@ -155,7 +155,10 @@ class _DenseFactor:
         self.sum = like.new_zeros(dim, dim)
 
     def update(self, rows: torch.Tensor) -> None:
-        self.sum += rows.mT @ rows
+        self.sum.addmm_(rows.mT, rows)
+
+    def add(self, gram: torch.Tensor) -> None:
+        self.sum += gram
 
     def eigen(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         values, vectors = torch.linalg.eigh(self.sum * scale)
@@ -190,6 +193,8 @@ class Kron(Curvature):
         return _DenseFactor(dim, like)
 
     def update(self, grads):
+        # Layers that read the same input (LoRA's query and value A) share one input Gram.
+        input_grams: dict[tuple, torch.Tensor] = {}
         for site, grad in grads.items():
             factored = isinstance(grad, LinearGradient) and grad.inputs is not None
             if factored != (site in self.factors) and (site in self.factors or site in self.rows):
@@ -205,7 +210,13 @@ class Kron(Curvature):
                 self.rows[site] = 0
             inputs, outputs = self.factors[site]
             a = grad.inputs.reshape(-1, d_in)
-            inputs.update(a)
+            if isinstance(inputs, _DenseFactor):
+                key = (a.data_ptr(), a.shape, a.stride())
+                if key not in input_grams:
+                    input_grams[key] = a.mT @ a
+                inputs.add(input_grams[key])
+            else:
+                inputs.update(a)
             outputs.update(grad.output_grads.reshape(-1, d_out))
             self.rows[site] += a.shape[0]
 
