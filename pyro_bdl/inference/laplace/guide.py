@@ -25,6 +25,7 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoGuide
+from pyro.infer.autoguide.initialization import InitMessenger
 from tqdm.auto import tqdm
 
 from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
@@ -107,7 +108,7 @@ class LaplaceGuide(AutoGuide):
         temperature: float = 1.0,
         init_loc_fn: Callable = init_to_module,
     ):
-        super().__init__(pyro.infer.autoguide.initialization.InitMessenger(init_loc_fn)(model))
+        super().__init__(InitMessenger(init_loc_fn)(model))
         self._laplace_model = (model,)  # a tuple keeps nn.Module from registering it
         self.curvature = make_curvature(curvature)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):

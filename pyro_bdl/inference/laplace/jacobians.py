@@ -185,6 +185,7 @@ class _RunAt(Messenger):
         super().__init__()
         self.values = values
         self.observed: list[dict] = []
+        self._observation: Observation | None = None
 
     def _pyro_sample(self, msg: dict) -> None:
         if site_is_subsample(msg):
@@ -196,13 +197,16 @@ class _RunAt(Messenger):
             self.observed.append(msg)
 
     def observation(self) -> Observation:
-        if len(self.observed) != 1:
-            names = [msg["name"] for msg in self.observed]
-            raise ValueError(
-                "LaplaceGuide needs a model with exactly one observed site (one bdl.observe "
-                f"call) besides its latent sites, found {names}"
-            )
-        return Observation(self.observed[0])
+        """The likelihood of the run's one observed site (built once)."""
+        if self._observation is None:
+            if len(self.observed) != 1:
+                names = [msg["name"] for msg in self.observed]
+                raise ValueError(
+                    "LaplaceGuide needs a model with exactly one observed site (one "
+                    f"bdl.observe call) besides its latent sites, found {names}"
+                )
+            self._observation = Observation(self.observed[0])
+        return self._observation
 
 
 @dataclass
@@ -338,7 +342,7 @@ class Linearization:
         self.batch_size = output.shape[0]
         self._calls = calls
 
-    @functools.cached_property
+    @property
     def observation(self) -> Observation:
         """The likelihood of the run's observed site."""
         return self._run.observation()
