@@ -293,8 +293,8 @@ class ModelJacobians:
         self.values = {
             name: value.detach().clone().requires_grad_() for name, value in values.items()
         }
-        # site -> whether its factored linear gradients were verified on a batch
-        self.linear_verified: dict[str, bool] = {}
+        # site -> whether its factored (linear or embedding) gradients passed the check
+        self.factored_verified: dict[str, bool] = {}
         self._vmap_failed = False
 
     def __call__(self, args: tuple, kwargs: dict, output: str = "observation") -> Linearization:
@@ -355,7 +355,7 @@ class Linearization:
         jacobians = self._jacobians
         factored_sites = self._factored_sites()
         calls = [c for c in self._calls if factored_sites & {c.weight_site, c.bias_site}]
-        unverified = [s for s in factored_sites if s not in jacobians.linear_verified]
+        unverified = [s for s in factored_sites if s not in jacobians.factored_verified]
         output_grads = [[] for _ in calls]
         references = {}
         for c in range(columns.shape[0] if calls else 0):
@@ -378,7 +378,7 @@ class Linearization:
             reference = torch.zeros_like(summed) if reference is None else reference
             scale = reference.abs().max().item()
             ok = (summed - reference).abs().max().item() <= 1e-3 * scale + 1e-12
-            jacobians.linear_verified[site] = ok
+            jacobians.factored_verified[site] = ok
             if not ok:
                 del per_site[site]
         dense_sites = [s for s in jacobians.values if s not in per_site]
@@ -400,7 +400,7 @@ class Linearization:
         return {
             site
             for site, usable in candidates.items()
-            if usable and jacobians.linear_verified.get(site, True)
+            if usable and jacobians.factored_verified.get(site, True)
         }
 
     def _factored(self, sites, calls, output_grads) -> dict[str, SiteGradient]:

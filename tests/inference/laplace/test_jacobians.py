@@ -68,7 +68,7 @@ def test_linear_sites_give_factored_per_example_gradients(problem):
     grads, columns = gradients(jacobians, x, y)
     expected = reference(module, net.init_values(), x, columns)
     assert all(isinstance(grad, LinearGradient) for grad in grads.values())
-    assert all(jacobians.linear_verified.values())
+    assert all(jacobians.factored_verified.values())
     for name, grad in grads.items():
         assert torch.allclose(grad.per_example(), expected[name], atol=1e-12)
         dense = DenseGradient(grad.per_example())
@@ -82,7 +82,7 @@ def test_other_sites_are_vmapped_and_fall_back_to_a_loop(problem):
     expected = None
     for fallback in (False, True):
         jacobians = ModelJacobians(model_of(net), net.init_values())
-        jacobians.linear_verified = {site: False for site in net.random_sites}
+        jacobians.factored_verified = {site: False for site in net.random_sites}
         jacobians._vmap_failed = fallback
         grads, columns = gradients(jacobians, x, y)
         expected = expected or reference(module, net.init_values(), x, columns)
@@ -125,8 +125,8 @@ def test_a_weight_used_outside_linear_is_detected_and_made_dense(problem):
     net = bdl.lift(tied, prior=bdl.priors.IIDNormal(1.0))
     jacobians = ModelJacobians(model_of(net), net.init_values())
     grads, columns = gradients(jacobians, x, y)
-    assert jacobians.linear_verified["second.weight"] is False
-    assert jacobians.linear_verified["first.weight"] is True
+    assert jacobians.factored_verified["second.weight"] is False
+    assert jacobians.factored_verified["first.weight"] is True
     assert isinstance(grads["second.weight"], DenseGradient)
     expected = reference(tied, net.init_values(), x, columns)
     for name, grad in grads.items():
