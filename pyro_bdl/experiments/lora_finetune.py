@@ -68,6 +68,8 @@ LORA = {"rank": 8, "alpha": 16, "dropout": 0.1}
 PRIOR_SCALE = 0.2
 #: AdamW as in the papers' LoRA fine-tuning (BLoB Table 3: lr 5e-4 for RoBERTa).
 LEARNING_RATE = 5e-4
+#: Examples per batch when predicting.
+EVAL_BATCH_SIZE = 32
 #: BLoB's MAP: AdamW's decoupled weight decay.
 WEIGHT_DECAY = 1e-5
 
@@ -146,11 +148,11 @@ class Task:
         return make_loader(self.train, self.collate, self.spec.batch_size, sampler=sampler)
 
     def eval_loader(self, records=None) -> DataLoader:
-        """Batches of the test subset (or ``records``) in a fixed order, shortest first."""
+        """Batches of 32 of the test subset (or ``records``), shortest first."""
         records = self.test if records is None else records
         lengths = _lengths(records)
         order = sorted(range(len(records)), key=lengths.__getitem__)
-        return make_loader(records, self.collate, self.spec.batch_size, sampler=order)
+        return make_loader(records, self.collate, EVAL_BATCH_SIZE, sampler=order)
 
     def test_loader(self) -> DataLoader:
         """Batches of the test subset."""
@@ -189,12 +191,16 @@ class ChoiceByChoice(torch.nn.Module):
     that share the weight), so K-FAC and the batched Jacobians apply; the scores are the
     same, and so is the cost (each choice's padding is cut to its own longest pair).
 
+    The model is kept as ``scorer``, so site names start ``scorer.``: Pyro's autoguides
+    silently drop sites whose names start with one of their own attributes, such as
+    ``model.`` (``deep_setattr`` finds ``guide.model`` and sets the location there).
+
     :param torch.nn.Module model: the (peft) multiple-choice model.
     """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        self.model = model
+        self.scorer = model
 
     def forward(self, attention_mask: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         inputs["attention_mask"] = attention_mask
@@ -202,7 +208,7 @@ class ChoiceByChoice(torch.nn.Module):
         for choice in range(attention_mask.shape[1]):
             length = int(attention_mask[:, choice].sum(-1).max())
             one = {key: value[:, choice : choice + 1, :length] for key, value in inputs.items()}
-            scores.append(self.model(**one).logits)
+            scores.append(self.scorer(**one).logits)
         return torch.cat(scores, dim=-1)
 
 
@@ -374,35 +380,41 @@ def sghmc_chains(
     num_chains: int,
     steps: int,
     seed: int,
+    num_samples: int = 1,
     step_size: float,
     friction: float,
     temperature: float = 1.0,
-) -> dict[str, torch.Tensor]:
-    """The last draw of each of ``num_chains`` SGHMC chains started at ``init``.
+) -> list[dict[str, torch.Tensor]]:
+    """Draws of ``num_chains`` SGHMC chains started at ``init``, each ``steps`` long.
 
-    Parallel SGHMC of the posteriors paper (section 4.2): a Bayesian deep ensemble of
-    chains run in this process one after the other
-    (:class:`~pyro_bdl.inference.Chains`), each ``steps`` minibatch steps long.
+    With ``num_samples=1`` each chain keeps its last draw: parallel SGHMC of the
+    posteriors paper (section 4.2), a Bayesian deep ensemble; one chain with
+    ``num_samples`` draws evenly spaced along it is serial SGHMC. The chains run in this
+    process one after the other (:class:`~pyro_bdl.inference.Chains`).
 
-    :return: site -> ``(num_chains, *shape)``.
+    :return: one dict of site values per draw.
     """
+    thin = steps // num_samples
     kernel = SGHMC(
         model,
         step_size=step_size,
         friction=friction,
         temperature=temperature,
+        thin=thin,
         init_params=dict(init),
     )
     chains = Chains(
         kernel,
-        num_samples=1,
-        warmup_steps=steps - 1,
+        num_samples=num_samples,
+        warmup_steps=steps - thin * num_samples,
         num_chains=num_chains,
         seed=seed,
         disable_progbar=True,
     )
     chains.run(task.train_loader(seed), task.num_data)
-    return chains.get_samples()
+    samples = chains.get_samples()
+    count = len(next(iter(samples.values())))
+    return [{site: value[i] for site, value in samples.items()} for i in range(count)]
 
 
 def laplace(
