@@ -262,13 +262,16 @@ class _Runner:
         """Test metrics of the predictive averaged over weight draws."""
         return summarize(self.predict(model, samples).mean(0), self.data.test_labels)
 
-    def predict(self, model: Callable, samples: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Test class probabilities ``(draws, test reviews, classes)``."""
+    def predict(
+        self,
+        model: Callable,
+        samples: Mapping[str, torch.Tensor],
+        batches: Sequence[Mapping[str, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Class probabilities ``(draws, reviews, classes)`` of ``batches`` (default: test)."""
+        batches = self.data.test_batches if batches is None else batches
         return torch.cat(
-            [
-                predict_proba(model, batch, self.data.num_data, samples=samples)
-                for batch in self.data.test_batches
-            ],
+            [predict_proba(model, batch, self.data.num_data, samples=samples) for batch in batches],
             dim=1,
         )
 
@@ -302,7 +305,11 @@ class _Runner:
         return self.experiment.cell(("imdb", *key), compute)
 
     def map_values(self, seed: int, mle: bool = False) -> dict[str, torch.Tensor]:
-        """The MAP (or MLE) of one seed, kept on disk for the Laplace fits."""
+        """The MAP (or MLE) from the initialisation of ``seed``, kept on disk.
+
+        It is where Laplace, VI and the serial SGHMC chain of the seed start, and each
+        parallel chain's starting point (seeds 1000, 1001, ...).
+        """
         path = self.checkpoints / f"{'mle' if mle else 'map'}_seed{seed}.pt"
         if path.exists():
             return torch.load(path)
@@ -324,10 +331,7 @@ class _Runner:
         samples = {name: value.unsqueeze(0) for name, value in values.items()}
         # The train/test gap shows the overfitting regime the Bayesian methods start from.
         train_batches = list(make_loader(self.data.train, self.data.collate, 500))
-        train_probs = torch.cat(
-            [predict_proba(model, b, self.data.num_data, samples=samples) for b in train_batches],
-            dim=1,
-        )
+        train_probs = self.predict(model, samples, train_batches)
         train_labels = torch.cat([b["labels"] for b in train_batches])
         train = summarize(train_probs.mean(0), train_labels)
         return {
