@@ -57,7 +57,7 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     cells = sorted((tmp_path / "cells").glob("*.json"))
     stamps = [cell.stat().st_mtime_ns for cell in cells]
     again = run_experiment("calibration", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
-    assert again["metrics"] == json.loads(json.dumps(results["metrics"]))
+    assert json.dumps(again["metrics"]) == json.dumps(results["metrics"])
     assert [cell.stat().st_mtime_ns for cell in cells] == stamps
 
 
