@@ -53,6 +53,7 @@ from pyro_bdl.experiments.lora_finetune import (
     LEARNING_RATE,
     LORA,
     PRIOR_SCALE,
+    WEIGHT_DECAY,
     Network,
     Task,
     TaskSpec,
@@ -135,7 +136,7 @@ def _run(experiment: Experiment) -> dict:
         "model": "all-MiniLM-L6-v2 + LoRA on query/value, new head",
         "lora": LORA,
         "prior_scale": PRIOR_SCALE,
-        "optimizer": f"AdamW lr {LEARNING_RATE}, no weight decay, dropout on",
+        "optimizer": f"AdamW lr {LEARNING_RATE}, dropout on; MAP weight decay {WEIGHT_DECAY}",
         "tasks": {name: specs[name].asdict() for name in datasets},
         "methods": settings,
         "torch_threads": torch.get_num_threads(),
@@ -317,6 +318,7 @@ def _la_torch(fits: _Fits, seed: int, settings: dict) -> dict:
         n_steps=settings["marglik_steps"],
         lr=0.1,
         init_prior_prec=1 / PRIOR_SCALE**2,
+        link_approx="mc",
         prior_structure="scalar",
     )
     generator = torch.Generator().manual_seed(seed)
