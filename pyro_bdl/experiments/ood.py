@@ -66,8 +66,8 @@ METHODS = ("MAP", "SGHMC-serial", "SGHMC-parallel", "BLoB", "LA")
 
 #: The full run: about 90 minutes for 3 seeds with one CPU core.
 FULL = {
-    "task": TaskSpec("sst2", train_size=512, test_size=300, max_length=64, batch_size=16),
-    "flores_sentences": 300,
+    "task": TaskSpec("sst2", train_size=1024, test_size=300, max_length=64, batch_size=16),
+    "flores_sentences": 400,
     "chains": 4,
     "serial_draws": 8,
     "sghmc": {"step_size": 0.03, "friction": 1.0, "temperature": 1.0},
