@@ -108,7 +108,7 @@ class Task:
 
     :param TaskSpec spec: the sizes and training length.
     :param data_dir: the folder holding the datasets.
-    :param tokenizer: the MiniLM tokenizer (default: loaded with a :class:`Network`).
+    :param tokenizer: the MiniLM tokenizer (default: :func:`minilm_tokenizer`).
     """
 
     def __init__(self, spec: TaskSpec, data_dir: str | os.PathLike, tokenizer=None):
