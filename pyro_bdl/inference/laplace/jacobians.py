@@ -15,6 +15,8 @@ One forward pass and one backward pass per column give them for a whole batch:
   K-FAC uses :math:`a` and :math:`b` directly. Recording calls rather than hooking
   modules needs no handle on the network, so it serves lifted modules and plain
   ``pyro.sample`` weights alike;
+* so are ``x @ W.T`` and ``addmm(c, x, W.T)`` (a hand-written LSTM's recurrence) and a
+  convolution, a linear map of its unfolded input patches (KFC, Grosse and Martens 2016);
 * a site used as the table of :func:`torch.nn.functional.embedding` is handled the
   same way: :math:`g_i` adds the output gradients :math:`b_{i,t}` into the rows of the
   example's tokens, a sparse matrix never formed densely (an embedding table is most of
@@ -93,38 +95,47 @@ class DenseGradient(SiteGradient):
 
 @dataclass
 class LinearGradient(SiteGradient):
-    """The factored gradients of a ``linear`` weight (or bias) shared over positions.
+    """The factored gradients of a weight (or bias) shared over positions.
 
-    :ivar inputs: :math:`a`, shaped ``(B, T, d_in)``; None for a bias.
+    :ivar inputs: :math:`a`, shaped ``(B, T, d_in)`` (a convolution's unfolded input
+        patches); None for a bias.
     :ivar output_grads: :math:`b`, shaped ``(m, B, T, d_out)``.
+    :ivar shape: the site's shape, if not ``(d_out, d_in)`` (a convolution kernel).
     """
 
     inputs: torch.Tensor | None
     output_grads: torch.Tensor
+    shape: torch.Size | None = None
+
+    def _site(self, matrix: torch.Tensor) -> torch.Tensor:
+        return matrix if self.shape is None else matrix.reshape(*matrix.shape[:-2], *self.shape)
+
+    def _matrix(self, weight: torch.Tensor) -> torch.Tensor:
+        d_out, d_in = self.output_grads.shape[-1], self.inputs.shape[-1]
+        return weight.expand(self.shape or (d_out, d_in)).reshape(d_out, d_in)
 
     def per_example(self) -> torch.Tensor:
         if self.inputs is None:
             return self.output_grads.sum(2)
-        return torch.einsum("cbto,bti->cboi", self.output_grads, self.inputs)
+        return self._site(torch.einsum("cbto,bti->cboi", self.output_grads, self.inputs))
 
     def total(self, column):
         if self.inputs is None:
             return self.output_grads[column].sum((0, 1))
-        return torch.einsum("bto,bti->oi", self.output_grads[column], self.inputs)
+        return self._site(torch.einsum("bto,bti->oi", self.output_grads[column], self.inputs))
 
     def sum_of_squares(self) -> torch.Tensor:
         if self.inputs is None or self.inputs.shape[1] > 1:
             return super().sum_of_squares()
         # One position: g = b a^T, so g^2 = b^2 (a^2)^T without forming g.
         b, a = self.output_grads[:, :, 0], self.inputs[:, 0]
-        return torch.einsum("cbo,bi->oi", b.square(), a.square())
+        return self._site(torch.einsum("cbo,bi->oi", b.square(), a.square()))
 
     def gram(self, weight: torch.Tensor) -> torch.Tensor:
         if self.inputs is None or self.inputs.shape[1] > 1:
             return super().gram(weight)
         b, a = self.output_grads[:, :, 0], self.inputs[:, 0]
-        weight = weight.expand(b.shape[-1], a.shape[-1])
-        return torch.einsum("cbo,dbo,oi,bi->bcd", b, b, weight, a.square())
+        return torch.einsum("cbo,dbo,oi,bi->bcd", b, b, self._matrix(weight), a.square())
 
 
 @dataclass
@@ -211,57 +222,106 @@ class _RunAt(Messenger):
 
 @dataclass
 class _Call:
-    """One ``linear`` or ``embedding`` call that uses a latent site."""
+    """One use of a latent site that has a factored gradient.
+
+    ``kind`` is ``"linear"`` (``linear``, or ``addmm``/``matmul`` by a site's transpose),
+    ``"conv"`` (a linear map of unfolded patches), ``"embedding"``, or ``"other"`` (a use
+    we cannot factor, which makes its sites dense).
+    """
 
     kind: str
     weight_site: str | None
     bias_site: str | None
-    inputs: torch.Tensor  # linear: activations a; embedding: indices
+    inputs: torch.Tensor  # activations a, a convolution's input, or embedding indices
     output: torch.Tensor
     version: int
-    padding_idx: int | None = None
+    options: dict
+
+
+_CONVOLUTIONS = {F.conv1d: 1, F.conv2d: 2}
+_PRODUCTS = (torch.addmm, torch.matmul, torch.Tensor.matmul)
+_SIGNATURES = {
+    F.linear: ("input", "weight", "bias"),
+    F.embedding: ("input", "weight", "padding_idx"),
+    torch.addmm: ("bias", "input", "weight"),
+    torch.matmul: ("input", "weight"),
+    torch.Tensor.matmul: ("input", "weight"),
+    F.conv1d: ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+    F.conv2d: ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+}
 
 
 class _RecordCalls(TorchFunctionMode):
-    """Record every ``linear``/``embedding`` call whose weight or bias is a site's value."""
+    """Record every use of a site's value whose per-example gradient has a factored form."""
 
     def __init__(self, sites_by_id: dict[int, str]):
         super().__init__()
         self.sites_by_id = sites_by_id
         self.calls: list[_Call] = []
+        # id of a transposed site -> (site, the view: kept alive, so its id stays unique)
+        self.transposed: dict[int, tuple[str, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
-        if func is F.linear or func is F.embedding:
-            bound = _bind(func, args, kwargs)
-            weight_site = self.sites_by_id.get(id(bound["weight"]))
-            bias = bound.get("bias")
-            bias_site = None if bias is None else self.sites_by_id.get(id(bias))
-            if weight_site or bias_site:
-                kind = "linear" if func is F.linear else "embedding"
-                self.calls.append(
-                    _Call(
-                        kind,
-                        weight_site,
-                        bias_site,
-                        bound["input"].detach(),
-                        output,
-                        output._version,
-                        bound.get("padding_idx"),
-                    )
-                )
+        if _is_transpose(func) and args and id(args[0]) in self.sites_by_id:
+            if args[0].dim() == 2:
+                self.transposed[id(output)] = (self.sites_by_id[id(args[0])], output)
+        elif func in _SIGNATURES:
+            self._record(func, {**dict(zip(_SIGNATURES[func], args)), **kwargs}, output)
         return output
 
+    def _record(self, func, bound: dict, output: torch.Tensor) -> None:
+        if func in _PRODUCTS:  # x @ W.T (+ c) is linear(x, W) (+ c): an LSTM's recurrence
+            weight_site = self.transposed.get(id(bound["weight"]), (None,))[0]
+            kind = "linear" if bound["input"].dim() >= 2 else "other"
+        else:
+            weight_site = self.sites_by_id.get(id(bound["weight"]))
+            kind = "embedding" if func is F.embedding else "linear"
+        bias = bound.get("bias")
+        bias_site = None if bias is None else self.sites_by_id.get(id(bias))
+        if not (weight_site or bias_site):
+            return
+        options = {}
+        if func in _CONVOLUTIONS:
+            options = _conv_options(bound, _CONVOLUTIONS[func])
+            kind = "conv" if options else "other"
+        elif func is F.embedding:
+            options = {"padding_idx": bound.get("padding_idx")}
+        inputs = bound["input"].detach()
+        self.calls.append(
+            _Call(kind, weight_site, bias_site, inputs, output, output._version, options)
+        )
 
-_SIGNATURES = {
-    F.linear: ("input", "weight", "bias"),
-    F.embedding: ("input", "weight", "padding_idx"),
-}
+
+def _is_transpose(func) -> bool:
+    return func in (torch.t, torch.Tensor.t) or getattr(func, "__self__", None) is torch.Tensor.T
 
 
-def _bind(func, args, kwargs) -> dict:
-    return {**dict(zip(_SIGNATURES[func], args)), **kwargs}
+def _conv_options(bound: dict, dims: int) -> dict:
+    """The unfolding arguments of a convolution, or {} if it cannot be unfolded."""
+
+    def per_dim(value, default):
+        value = default if value is None else value
+        return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
+
+    padding = bound.get("padding", 0)
+    if bound.get("groups", 1) != 1 or isinstance(padding, str):
+        return {}
+    return {
+        "kernel_size": tuple(bound["weight"].shape[2:]),
+        "stride": per_dim(bound.get("stride"), 1),
+        "padding": per_dim(padding, 0),
+        "dilation": per_dim(bound.get("dilation"), 1),
+    }
+
+
+def _patches(inputs: torch.Tensor, options: dict) -> torch.Tensor:
+    """A convolution's input as the rows of a linear map: ``(B, positions, C_in * k)``."""
+    if inputs.dim() == 3:  # conv1d is a convolution of height 1
+        inputs = inputs.unsqueeze(2)
+        options = {key: (0 if key == "padding" else 1, *v) for key, v in options.items()}
+    return F.unfold(inputs, **options).transpose(1, 2)
 
 
 def _concatenate(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -392,7 +452,9 @@ class Linearization:
         candidates: dict[str, bool] = {}
         for call in self._calls:
             usable = (
-                call.inputs.shape[0] == self.batch_size and call.output._version == call.version
+                call.kind != "other"
+                and call.inputs.shape[0] == self.batch_size
+                and call.output._version == call.version
             )
             for site in (call.weight_site, call.bias_site):
                 if site is not None:
@@ -407,35 +469,41 @@ class Linearization:
         batch = self.batch_size
         inputs: dict[str, list] = {}
         grads: dict[str, list] = {}
-        kinds: dict[str, str] = {}
+        kinds: dict[str, set] = {}
         for call, grad in zip(calls, output_grads):
             b = torch.stack(grad)
+            if call.kind == "conv":  # (m, B, C_out, *positions) -> positions before channels
+                b = b.flatten(3).transpose(2, 3)
             b = b.reshape(b.shape[0], batch, -1, b.shape[-1])
             if call.weight_site in sites:
                 if call.kind == "linear":
                     weight_inputs = call.inputs.reshape(batch, -1, call.inputs.shape[-1])
+                elif call.kind == "conv":
+                    weight_inputs = _patches(call.inputs, call.options)
                 else:
                     weight_inputs = call.inputs.reshape(batch, -1)
-                    if call.padding_idx is not None:  # the padding row gets no gradient
-                        b = b * (weight_inputs != call.padding_idx).unsqueeze(-1).to(b.dtype)
+                    padding_idx = call.options["padding_idx"]
+                    if padding_idx is not None:  # the padding row gets no gradient
+                        b = b * (weight_inputs != padding_idx).unsqueeze(-1).to(b.dtype)
                 inputs.setdefault(call.weight_site, []).append(weight_inputs)
                 grads.setdefault(call.weight_site, []).append(b)
-                kinds[call.weight_site] = kinds.get(call.weight_site, call.kind)
-                if kinds[call.weight_site] != call.kind:
-                    kinds[call.weight_site] = "mixed"
+                kinds.setdefault(call.weight_site, set()).add(call.kind)
             if call.bias_site in sites:
                 grads.setdefault(call.bias_site, []).append(b)
-                kinds[call.bias_site] = "linear"
+                kinds.setdefault(call.bias_site, set()).add("bias")
         result = {}
         for site, parts in grads.items():
-            if kinds[site] == "embedding":
-                table = self._jacobians.values[site]
+            shape = self._jacobians.values[site].shape
+            if kinds[site] == {"embedding"}:
                 result[site] = EmbeddingGradient(
-                    _concatenate(inputs[site], 1), _concatenate(parts, 2), table.shape[0]
+                    _concatenate(inputs[site], 1), _concatenate(parts, 2), shape[0]
                 )
-            elif kinds[site] == "linear":
-                a = _concatenate(inputs[site], 1) if site in inputs else None
-                result[site] = LinearGradient(a, _concatenate(parts, 2))
+            elif kinds[site] <= {"linear", "conv"}:
+                result[site] = LinearGradient(
+                    _concatenate(inputs[site], 1), _concatenate(parts, 2), shape
+                )
+            elif kinds[site] == {"bias"}:
+                result[site] = LinearGradient(None, _concatenate(parts, 2))
         return result
 
     def _dense(self, sites: list[str], columns: torch.Tensor) -> dict[str, SiteGradient]:

@@ -133,7 +133,7 @@ def test_a_weight_used_outside_linear_is_detected_and_made_dense(problem):
         assert torch.allclose(grad.per_example(), expected[name], atol=1e-12)
 
 
-def test_embedding_tables_get_sparse_per_example_gradients():
+def test_embeddings_convolutions_and_recurrences_are_factored():
     pytest.importorskip("pyro_bdl.models")
     from pyro_bdl.models import CNNLSTM
 
@@ -151,8 +151,9 @@ def test_embedding_tables_get_sparse_per_example_gradients():
     grads, columns = gradients(jacobians, x, y)
     kinds = {name: type(grad).__name__ for name, grad in grads.items()}
     assert kinds["embedding.weight"] == "EmbeddingGradient"
-    assert kinds["lstm.weight_ih"] == kinds["lstm.bias"] == kinds["fc.weight"] == "LinearGradient"
-    assert kinds["conv.weight"] == kinds["lstm.weight_hh"] == "DenseGradient"  # vmapped
+    # conv: a linear map of patches; lstm.weight_hh: addmm(x, h, W.T) at every step
+    others = [name for name in kinds if name != "embedding.weight"]
+    assert all(kinds[name] == "LinearGradient" for name in others), kinds
     expected = reference(module, net.init_values(), x, columns)
     for name, grad in grads.items():
         assert torch.allclose(grad.per_example(), expected[name], atol=1e-12), name
@@ -163,3 +164,29 @@ def test_embedding_tables_get_sparse_per_example_gradients():
     assert torch.allclose(table.sum_of_squares(), dense.sum_of_squares(), atol=1e-12)
     assert torch.allclose(table.gram(weight), dense.gram(weight), atol=1e-12)
     assert torch.allclose(table.total(0), dense.total(0), atol=1e-12)
+
+
+def test_a_strided_padded_2d_convolution_is_a_linear_map_of_patches():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv = torch.nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2))
+            self.head = torch.nn.Parameter(torch.randn(4, 3 * 3 * 5))
+
+        def forward(self, x):
+            hidden = torch.tanh(self.conv(x)).flatten(1)
+            return hidden @ self.head.t()  # a plain matmul by a transposed weight
+
+    module = Net()
+    net = bdl.lift(module, prior=bdl.priors.IIDNormal(1.0))
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 5, 5, generator=generator)
+    y = torch.randint(0, 4, (5,), generator=generator)
+    jacobians = ModelJacobians(model_of(net), net.init_values())
+    grads, columns = gradients(jacobians, x, y)
+    assert all(isinstance(grad, LinearGradient) for grad in grads.values())
+    assert all(jacobians.factored_verified.values())
+    expected = reference(module, net.init_values(), x, columns)
+    for name, grad in grads.items():
+        assert torch.allclose(grad.per_example(), expected[name], atol=1e-12), name

@@ -16,8 +16,10 @@ treated as extra examples: the "expand" convention of Eschenhagen et al. (2023),
 is exact for a linear layer whose positions reach the loss independently, and which
 curvlinops and laplace-torch use. Positions are all positions the layer saw, padding
 included; :math:`n_\text{rows}` counts them. LoRA's A and B are separate layers, as in
-Laplace-LoRA. Sites that are not linear weights (biases, norms, embeddings, plain
-sample sites) get a diagonal block (:class:`~.diagonal.DiagonalBlock`).
+Laplace-LoRA. A convolution is a linear map of its unfolded input patches, so
+its kernel gets the same factors (KFC, Grosse and Martens 2016, in the expand convention
+curvlinops uses for convolutions). Sites that are not such weights (biases, norms,
+embeddings, plain sample sites) get a diagonal block (:class:`~.diagonal.DiagonalBlock`).
 
 With eigendecompositions :math:`A = Q_A \Lambda_A Q_A^\top` and
 :math:`B = Q_B \Lambda_B Q_B^\top` (possibly truncated to :math:`k_A, k_B` columns, see
@@ -66,14 +68,17 @@ class KronBlock(GaussianBlock):
     :param str site: the weight's site, shaped ``(d_out, d_in)``.
     :param tuple input_factor: :math:`(Q_A, \\lambda_A)`, ``(d_in, k_A)`` and ``(k_A,)``.
     :param tuple output_factor: :math:`(Q_B, \\lambda_B)`, ``(d_out, k_B)`` and ``(k_B,)``.
+    :param shape: the site's shape if it is not ``(d_out, d_in)``: a convolution kernel
+        ``(d_out, C_in, *kernel)`` with ``d_in = C_in * prod(kernel)``.
     """
 
-    def __init__(self, site: str, input_factor: tuple, output_factor: tuple):
+    def __init__(self, site: str, input_factor: tuple, output_factor: tuple, shape=None):
         self.sites = (site,)
         self.site = site
         self.input_vectors, self.input_values = input_factor
         self.output_vectors, self.output_values = output_factor
-        self.shape = torch.Size((self.output_vectors.shape[0], self.input_vectors.shape[0]))
+        self.matrix_shape = (self.output_vectors.shape[0], self.input_vectors.shape[0])
+        self.shape = torch.Size(shape or self.matrix_shape)
         self.shapes = {site: self.shape}
         self.eigenvalues = self.output_values[:, None] * self.input_values[None, :]
         self.complement = math.prod(self.shape) - self.eigenvalues.numel()
@@ -88,16 +93,21 @@ class KronBlock(GaussianBlock):
             )
         return value.reshape(())
 
+    def _matrix(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., *shape)`` as ``(..., d_out, d_in)``."""
+        return x.reshape(*x.shape[: x.dim() - len(self.shape)], *self.matrix_shape)
+
     def _project(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_vectors.mT @ x @ self.input_vectors
+        return self.output_vectors.mT @ self._matrix(x) @ self.input_vectors
 
     def _power(self, x: torch.Tensor, delta: torch.Tensor, power: float) -> torch.Tensor:
         weights = (self.eigenvalues + delta) ** power
-        if not self.complement:
-            return self.output_vectors @ (self._project(x) * weights) @ self.input_vectors.mT
-        weights = weights - delta**power
-        inside = self.output_vectors @ (self._project(x) * weights) @ self.input_vectors.mT
-        return inside + delta**power * x
+        if self.complement:
+            weights = weights - delta**power
+        result = self.output_vectors @ (self._project(x) * weights) @ self.input_vectors.mT
+        if self.complement:
+            result = result + delta**power * self._matrix(x)
+        return result.reshape(x.shape)
 
     def log_det(self, delta):
         delta = self._delta(delta)
@@ -134,7 +144,8 @@ class KronBlock(GaussianBlock):
         if self.complement:
             weights = weights - delta.reciprocal()
         inside = self.output_vectors.square() @ weights @ self.input_vectors.square().mT
-        return {self.site: inside + delta.reciprocal() if self.complement else inside}
+        inside = inside + delta.reciprocal() if self.complement else inside
+        return {self.site: inside.reshape(self.shape)}
 
     def restrict(self, site):
         return self
@@ -203,7 +214,7 @@ class Kron(Curvature):
                 self.diagonals[site] = self.diagonals.get(site, 0) + grad.sum_of_squares()
                 self.rows[site] = 0
                 continue
-            d_out, d_in = self.values[site].shape
+            d_in, d_out = grad.inputs.shape[-1], grad.output_grads.shape[-1]
             if site not in self.factors:
                 like = self.values[site]
                 self.factors[site] = (self._factor(d_in, like), self._factor(d_out, like))
@@ -226,7 +237,9 @@ class Kron(Curvature):
             if site in self.factors:
                 inputs, outputs = self.factors[site]
                 rows = max(self.rows[site], 1)
-                blocks.append(KronBlock(site, inputs.eigen(1 / rows), outputs.eigen(scale)))
+                input_factor, output_factor = inputs.eigen(1 / rows), outputs.eigen(scale)
+                shape = self.values[site].shape
+                blocks.append(KronBlock(site, input_factor, output_factor, shape))
             else:
                 blocks.append(DiagonalBlock(site, self.diagonals[site] * scale))
         return blocks

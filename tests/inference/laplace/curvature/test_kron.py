@@ -189,3 +189,38 @@ def test_the_fit_does_not_depend_on_the_batch_size(helpers):
         )
         evidences.append(guide.log_marginal_likelihood())
     assert torch.allclose(torch.stack(evidences), evidences[0], rtol=1e-10)
+
+
+def test_a_convolution_is_factored_as_laplace_torch_does(helpers):
+    torch.manual_seed(0)
+    network = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3, padding=1, bias=False),
+        torch.nn.Tanh(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(3 * 4 * 4, 3, bias=False),
+    )
+    x = torch.randn(30, 2, 4, 4)
+    _, y = helpers.classification_data(num_data=30)
+    reference = laplace.KronLaplace(
+        copy.deepcopy(network),
+        "classification",
+        prior_precision=2.0,
+        backend=curvatures.CurvlinopsGGN,
+    )
+    reference.fit(DataLoader(TensorDataset(x, y), batch_size=30))
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(2.0**-0.5))
+    guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
+    guide.fit(DataLoader(TensorDataset(x, y), batch_size=8), 30, map=False, progress=False)
+    assert isinstance(guide._blocks[0], KronBlock) and guide._blocks[0].shape == (3, 2, 3, 3)
+    assert torch.allclose(
+        guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4
+    )
+    _, covariance = guide.output_distribution((x, y), 30)
+    _, f_covariance = reference._glm_predictive_distribution(x)
+    assert torch.allclose(covariance, f_covariance, rtol=1e-4, atol=1e-10)
+    # The kernel-shaped block samples with the covariance of its precision.
+    block, delta = guide._blocks[0], guide.prior_precision
+    covariance = torch.linalg.inv(helpers.dense_precision(block, delta))
+    rows = block.sample({block.site: torch.eye(54).reshape(54, 3, 2, 3, 3)}, delta)[block.site]
+    assert torch.allclose(rows.reshape(54, 54) @ rows.reshape(54, 54).T, covariance, atol=1e-10)
+    assert torch.allclose(block.variance(delta)[block.site].flatten(), covariance.diagonal())
