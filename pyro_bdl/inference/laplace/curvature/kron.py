@@ -127,16 +127,24 @@ class KronBlock(GaussianBlock):
         weights = (self.eigenvalues + delta).reciprocal()
         if self.complement:
             weights = weights - delta.reciprocal()
-        if isinstance(grad, LinearGradient) and grad.inputs is not None:
-            a = grad.inputs @ self.input_vectors  # (B, T, k_A)
-            b = grad.output_grads @ self.output_vectors  # (m, B, T, k_B)
+        if (
+            isinstance(grad, LinearGradient)
+            and grad.inputs is not None
+            and grad.inputs.shape[1] == 1
+        ):
+            # one position: project a and b, never form the d_out x d_in Jacobian rows
+            a = grad.inputs @ self.input_vectors  # (B, 1, k_A)
+            b = grad.output_grads @ self.output_vectors  # (m, B, 1, k_B)
             inside = LinearGradient(a, b).gram(weights)
-        else:
-            projected = self._project(grad.per_example())
-            inside = torch.einsum("cbpq,pq,dbpq->bcd", projected, weights, projected)
+            outside = grad.gram(delta.reciprocal()) if self.complement else 0
+            return inside + outside
+        # shared positions: project each example's Jacobian row once, not every position
+        rows = self._matrix(grad.per_example())
+        projected = self.output_vectors.mT @ rows @ self.input_vectors
+        inside = torch.einsum("cbpq,pq,dbpq->bcd", projected, weights, projected)
         if not self.complement:
             return inside
-        return inside + grad.gram(delta.reciprocal())
+        return inside + torch.einsum("cbij,dbij->bcd", rows, rows) / delta
 
     def variance(self, delta):
         delta = self._delta(delta)
