@@ -8,14 +8,18 @@ cost depends on shapes, not on the words):
   diag_ggn, kron and kron_lowrank, and laplace-torch 0.3 (``KronLaplace`` and
   ``DiagLaplace`` with the curvlinops GGN backend) on the same checkpoint and batches,
   ours / theirs. Targets: diag and kron fits <= 2 epochs, faster than laplace-torch.
-* The GLM predictive (K-FAC, link "mc") per test batch / one forward pass, ours and
-  laplace-torch's, and ours / one backward pass. Target: <= classes + 1 backward passes.
-* The CNN-LSTM (2.7M weights; batches of 32 x 100 word indices): fit / epoch for
-  diag_ef, diag_ggn and kron, and posteriors' ``diag_fisher`` (the diagonal empirical
-  Fisher of the posteriors paper) side by side; laplace-torch cannot fit it (it has no
-  curvature for an embedding, a 1-D convolution or a hand-written LSTM).
+* The GLM predictive (K-FAC, link "mc") of the same examples / forward passes over them,
+  ours and laplace-torch's, and ours / the backward passes (epoch minus forward).
+  Target: <= classes + 1 backward passes. (laplace-torch takes Jacobians with
+  ``torch.func.jacrev``, about 10 GB for a batch of 32 here, so its diagonal fit and its
+  predictive use batches of 8, and are compared with forward passes in batches of 8.)
+* The CNN-LSTM (2.7M weights; 4x as many batches of 32 x 100 word indices: its passes
+  are cheap and the fit's one-time eigendecompositions would dominate a short epoch):
+  fit / epoch for diag_ef, diag_ggn and kron, and posteriors' ``diag_fisher`` (the
+  diagonal empirical Fisher of the posteriors paper) side by side; laplace-torch cannot
+  fit it (it has no curvature for an embedding, a 1-D convolution or a hand-written LSTM).
 * The factors K-FAC keeps per LoRA layer, kron vs kron_lowrank (rank 16), for MiniLM's
-  width 384 and a LLaMA-sized pair of width 4096.
+  width 384 and an adapter pair of width 2048 (d^2 against k d numbers per factor).
 
 Each time is the minimum over rounds run in turn (the least disturbed run on a shared
 machine), with one torch thread by default for the same reason.
@@ -150,7 +154,7 @@ def minilm(rounds, num_batches):
         guide = LaplaceGuide(lora.model, curvature=curvature)
         return lambda: guide.fit(loader, num_data, map=False, progress=False)
 
-    def theirs(cls):
+    def theirs(cls, data=loader):
         def fit():
             laplace = cls(
                 Logits(copy.deepcopy(module)),
@@ -158,10 +162,14 @@ def minilm(rounds, num_batches):
                 prior_precision=25.0,
                 backend=CurvlinopsGGN,
             )
-            laplace.fit(loader)
+            laplace.fit(data)
             return laplace
 
         return fit
+
+    # laplace-torch's Jacobians (torch.func.jacrev, for its diagonal GGN and its GLM
+    # predictive) hold about 10 GB for a batch of 32 here: those run on batches of 8.
+    small = token_batches(num_batches * 4, 8, 32, 30000)
 
     cases = {
         "epoch": lambda: epoch(module, loader, hf_forward),
@@ -173,8 +181,8 @@ def minilm(rounds, num_batches):
         "laplace-torch kron": theirs(KronLaplace),
     }
     seconds, fitted = interleaved(cases, rounds)
-    # laplace-torch's diagonal GGN takes full Jacobians by torch.func.jacrev: one round.
-    slow, slow_fitted = interleaved({"laplace-torch diag_ggn": theirs(DiagLaplace)}, 1)
+    # laplace-torch's diagonal GGN is slow: one round.
+    slow, slow_fitted = interleaved({"laplace-torch diag_ggn": theirs(DiagLaplace, small)}, 1)
     seconds.update(slow)
     fitted.update(slow_fitted)
     unit = seconds["epoch"]
@@ -188,21 +196,26 @@ def minilm(rounds, num_batches):
             print(f"  {'ours / laplace-torch ' + name:<40s} {ratio:8.2f}")
 
     guide, reference = fitted["kron"], fitted["laplace-torch kron"]
-    test_batch = next(iter(loader))
-    forward = seconds["forward"] / num_batches
-    backward = unit / num_batches - forward
     generator = torch.Generator().manual_seed(0)
     predict, _ = interleaved(
         {
-            "ours": lambda: guide.predictive(test_batch, num_data, generator=generator),
-            "laplace-torch": lambda: reference(test_batch, link_approx="mc", n_samples=100),
+            "ours": lambda: guide.predictive(loader, num_data, generator=generator),
+            "laplace-torch": lambda: [
+                reference(batch, link_approx="mc", n_samples=100) for batch in small
+            ],
+            "forward (batches of 8)": lambda: forward_only(module, small, hf_forward),
         },
         rounds,
     )
-    print("  GLM predictive (kron, mc, 100 draws), per batch of 32:")
+    forward, backward = seconds["forward"], unit - seconds["forward"]
+    print(f"  GLM predictive (kron, mc, 100 draws) of the {num_data} examples:")
     report("ours / forward pass", predict["ours"], forward)
     report("ours / backward pass", predict["ours"], backward, NUM_CLASSES + 1)
-    report("laplace-torch / forward pass", predict["laplace-torch"], forward)
+    report(
+        "laplace-torch / forward pass (batches of 8)",
+        predict["laplace-torch"],
+        predict["forward (batches of 8)"],
+    )
     print(f"  {'ours / laplace-torch':<40s} {predict['ours'] / predict['laplace-torch']:8.2f}")
     guides = {name: fitted[name] for name in ("kron", "kron_lowrank")}
     return guides
@@ -303,7 +316,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     guides = minilm(args.rounds, args.batches)
-    cnn_lstm(args.rounds, args.batches)
+    cnn_lstm(args.rounds, 4 * args.batches)
     factor_memory(guides)
 
 

@@ -379,8 +379,10 @@ class LaplaceGuide(AutoGuide):
         """Class probabilities of the linearised (GLM) predictive.
 
         See :mod:`~pyro_bdl.inference.laplace.predictive` for the links. The model must
-        return logits shaped ``(B, C)``. DataLoader arguments are concatenated over one
-        pass.
+        return logits shaped ``(B, C)``. ``"mc"`` takes ``C - 1`` vector-Jacobian products
+        per batch (the logit contrasts :math:`f_k - f_C`; the softmax is shift invariant),
+        ``"probit"`` and ``"bridge"`` ``C``. DataLoader arguments are concatenated over
+        one pass.
 
         :param str link: ``"mc"`` (joint logit samples, the default), ``"probit"`` or
             ``"bridge"``.
@@ -406,14 +408,19 @@ class LaplaceGuide(AutoGuide):
             leave=False,
         )
         for batch_args, batch_kwargs in bar:
-            mean, grads, _ = self._linearize(batch_args, batch_kwargs)
+            mean, grads, _ = self._linearize(batch_args, batch_kwargs, contrasts=link == "mc")
             covariance = self._covariance(grads, delta)
             probs = _link(link, mean, covariance, num_samples, generator)
             results.append(probs if return_samples or link != "mc" else probs.mean(0))
         return torch.cat(results, dim=-2)
 
-    def _linearize(self, args: tuple, kwargs: dict):
-        """The model's output at the MAP, its per-example Jacobian rows, the run."""
+    def _linearize(self, args: tuple, kwargs: dict, contrasts: bool = False):
+        """The linearised outputs at the MAP, their per-example Jacobian rows, the run.
+
+        With ``contrasts`` the outputs are the ``C - 1`` logit differences
+        :math:`f_k - f_C`: the softmax is shift invariant, so their Gaussian carries the
+        whole MC predictive at one vector-Jacobian product fewer per batch.
+        """
         self._check_fitted()
         run = self._jacobians(args, kwargs, output="return")
         output = run.output
@@ -422,10 +429,11 @@ class LaplaceGuide(AutoGuide):
                 "the linearised predictive needs a model returning logits shaped "
                 f"(batch, classes), got shape {tuple(output.shape)}"
             )
-        num_outputs = output.shape[1]
-        eye = torch.eye(num_outputs, dtype=output.dtype, device=output.device)
-        columns = eye.unsqueeze(1).expand(num_outputs, *output.shape)
-        return output.detach(), run.gradients(columns), run
+        rows = torch.eye(output.shape[1], dtype=output.dtype, device=output.device)
+        if contrasts:
+            rows = rows[:-1] - rows[-1]
+        columns = rows.unsqueeze(1).expand(len(rows), *output.shape)
+        return output.detach() @ rows.mT, run.gradients(columns), run
 
     def _covariance(self, grads, delta) -> torch.Tensor:
         total = sum(block.output_covariance(grads, delta) for block in self._blocks)
@@ -533,7 +541,7 @@ class LaplaceGuide(AutoGuide):
         batches = Minibatches(args, kwargs)
         bar = tqdm(batches.one_pass(), total=batches.batches_per_epoch, disable=not progress)
         for batch_args, batch_kwargs in bar:
-            mean, grads, run = self._linearize(batch_args, batch_kwargs)
+            mean, grads, run = self._linearize(batch_args, batch_kwargs, contrasts=link == "mc")
             labels = run.observation.value
             if not run.observation.is_observed:
                 raise ValueError("gridsearch: the validation batches must carry labels")
@@ -596,8 +604,11 @@ class LaplaceGuide(AutoGuide):
 
 
 def _link(link, mean, covariance, num_samples, generator) -> torch.Tensor:
-    if link == "mc":
-        return mc_probabilities(mean, covariance, num_samples, generator)
+    if link == "mc":  # mean and covariance of the contrasts f_k - f_C, k < C
+        padded = torch.nn.functional.pad
+        return mc_probabilities(
+            padded(mean, (0, 1)), padded(covariance, (0, 1, 0, 1)), num_samples, generator
+        )
     if link == "probit":
         return probit(mean, covariance)
     return laplace_bridge(mean, covariance)
