@@ -460,14 +460,7 @@ def _plot_losses(summary: Mapping, books: Sequence[str], path: Path) -> None:
         for method in _methods(summary):
             episodes = sorted(summary[method], key=int)
             values = [summary[method][e]["test_loss"][book] for e in episodes]
-            ax.errorbar(
-                [int(e) for e in episodes],
-                [v["mean"] for v in values],
-                yerr=[v["sd"] for v in values],
-                marker="o",
-                capsize=3,
-                label=method,
-            )
+            _errorbar(ax, episodes, values, method)
         baseline = summary[_BASELINE][book]["mean"]
         ax.axhline(baseline, color="grey", linestyle=":", label=_BASELINE)
         ax.axvline(index + 1, color="grey", linestyle="--", linewidth=0.8)
@@ -478,6 +471,18 @@ def _plot_losses(summary: Mapping, books: Sequence[str], path: Path) -> None:
     figure.savefig(path, format="png")
 
 
+def _errorbar(ax, episodes: Sequence[str], values: Sequence[Mapping], label: str) -> None:
+    """Mean +- sd over seeds against the episode."""
+    ax.errorbar(
+        [int(e) for e in episodes],
+        [v["mean"] for v in values],
+        yerr=[v["sd"] for v in values],
+        marker="o",
+        capsize=3,
+        label=label,
+    )
+
+
 def _plot_average(summary: Mapping, path: Path) -> None:
     """Average over the books seen of the loss relative to the baseline (Figure 6)."""
     figure = Figure(figsize=(5, 3.6), dpi=110, layout="constrained")
@@ -485,14 +490,7 @@ def _plot_average(summary: Mapping, path: Path) -> None:
     for method in _methods(summary):
         episodes = sorted(summary[method], key=int)
         values = [summary[method][e]["relative_loss"] for e in episodes]
-        ax.errorbar(
-            [int(e) for e in episodes],
-            [v["mean"] for v in values],
-            yerr=[v["sd"] for v in values],
-            marker="o",
-            capsize=3,
-            label=method,
-        )
+        _errorbar(ax, episodes, values, method)
     ax.axhline(0.0, color="grey", linestyle=":", label=_BASELINE)
     ax.set(
         xlabel="after episode",
