@@ -51,6 +51,13 @@ def fit_map(
         theta_map = fit_map(model, train_loader, len(train_set), num_steps=2000,
                             optimizer=pyro.optim.Adam({"lr": 1e-3}))
 
+    .. note:: LoRA adapters start with ``B = 0`` (peft's default), so ``A`` gets no
+        likelihood gradient at first, only the prior's; Adam's normalised steps then shrink
+        ``A`` to zero and the adapters never fine-tune. Fine-tune LoRA with
+        :func:`~pyro_bdl.inference.baselines.map_estimate` (AdamW whose small decoupled
+        decay stands for the prior, as in Laplace-LoRA and BLoB) and hand its values on,
+        e.g. to :meth:`~pyro_bdl.inference.LaplaceGuide.fit` as ``map=``.
+
     :param callable model: a Pyro model.
     :param args: the model's arguments (DataLoaders stand for minibatches).
     :param int num_steps: optimisation steps.
