@@ -10,6 +10,7 @@ settings, the library version and the wall time.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import time
@@ -97,7 +98,7 @@ class Experiment:
             "results": results,
             "library_version": pyro_bdl.__version__,
             "torch_version": torch.__version__,
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "wall_time_s": time.perf_counter() - self.started,
         }
         path = self.out / "results.json"
