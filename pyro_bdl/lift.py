@@ -31,7 +31,7 @@ from torch.func import functional_call
 
 from pyro_bdl.priors import IIDNormal, Prior
 
-__all__ = ["lift", "LiftedModule", "init_to_module", "Selector"]
+__all__ = ["lift", "LiftedModule", "init_to_module", "parameter_owner", "Selector"]
 
 Selector = None | str | Sequence[str] | Callable[[str, torch.Tensor], bool]
 
@@ -134,8 +134,7 @@ class LiftedModule:
         name = self.random_sites.get(site) or self.point_sites.get(site)
         if name is None:
             raise KeyError(f"{site!r} is not a site of this lifted module")
-        module_path, _, attribute = name.rpartition(".")
-        return self.module.get_submodule(module_path), attribute
+        return parameter_owner(self.module, name)
 
     def prior_distribution(self, site: str) -> dist.TorchDistribution:
         """The prior of one random site (cached per dtype and device)."""
@@ -300,3 +299,9 @@ def lift(
             f"include {list(trainable)[:5]} (frozen ones, requires_grad=False, cannot be random)"
         )
     return LiftedModule(module, prior or IIDNormal(1.0), random_names, point_names, prefix)
+
+
+def parameter_owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The submodule of ``module`` that holds the parameter at path ``name``, and its attribute."""
+    module_path, _, attribute = name.rpartition(".")
+    return module.get_submodule(module_path), attribute

@@ -16,20 +16,15 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from pyro_bdl.lift import LiftedModule
+from pyro_bdl.lift import LiftedModule, parameter_owner
 
 __all__ = ["enable_checkpointing"]
-
-
-def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
-    path, _, attribute = name.rpartition(".")
-    return module.get_submodule(path), attribute
 
 
 @contextlib.contextmanager
 def _holding(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Put ``tensors`` in the parameter slots of ``module`` as ``functional_call`` does."""
-    slots = [_owner(module, name) for name in tensors]
+    slots = [parameter_owner(module, name) for name in tensors]
     saved = [owner._parameters[attribute] for owner, attribute in slots]
     for (owner, attribute), tensor in zip(slots, tensors.values()):
         owner._parameters[attribute] = tensor
@@ -55,7 +50,7 @@ class _RecomputeWithForwardWeights:
     def __call__(self):
         used = {}
         for name in self.names:
-            owner, attribute = _owner(self.module, name)
+            owner, attribute = parameter_owner(self.module, name)
             used[name] = owner._parameters[attribute]
         return contextlib.nullcontext(), _holding(self.module, used)
 
