@@ -476,17 +476,19 @@ def _tables(results: dict, datasets: list[str]) -> str:
             "### MAP on its training subset and on the test subset\n\n"
             + markdown_table(gap, columns)
         )
+    # laplace-torch runs on the first seed only: compare seed by seed, same checkpoint.
     compared = [
-        {"dataset": d, "method": row, **{n: metrics[d][row][n] for n in ("accuracy", "ece", "nll")}}
+        {"dataset": d, "seed": seed, "method": row, **metrics[d][row]["per_seed"][seed]}
         for d in datasets
         if "LA-torch" in metrics[d]
+        for seed in metrics[d]["LA-torch"]["per_seed"]
         for row in ("LA", "LA-torch")
-        if row in metrics[d]
+        if seed in metrics[d].get(row, {}).get("per_seed", {})
     ]
     if compared:
         parts.append(
-            "### Our LA and laplace-torch's on the same MAP checkpoints\n\n"
-            + markdown_table(compared, ["dataset", "method", "accuracy", "ece", "nll"])
+            "### Our LA and laplace-torch's on the same MAP checkpoint\n\n"
+            + markdown_table(compared, ["dataset", "seed", "method", "accuracy", "ece", "nll"])
         )
     return "\n\n".join(parts)
 
