@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import KronLowRank, LaplaceGuide
+from pyro_bdl.models import DictLogits
 
 NUM_CLASSES = 2
 
@@ -84,19 +85,6 @@ def token_batches(num_batches, batch_size, length, vocab, seed=0, mask=True):
             row["attention_mask"] = torch.ones(length, dtype=torch.long)
         rows.append(row)
     return DataLoader(rows, batch_size=batch_size, collate_fn=collate)
-
-
-class Logits(torch.nn.Module):
-    """A Hugging Face classifier as laplace-torch wants it: dict batch -> logits."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, data):
-        return self.module(
-            input_ids=data["input_ids"], attention_mask=data["attention_mask"]
-        ).logits
 
 
 def epoch(module, loader, forward):
@@ -157,7 +145,7 @@ def minilm(rounds, num_batches):
     def theirs(cls, data=loader):
         def fit():
             laplace = cls(
-                Logits(copy.deepcopy(module)),
+                DictLogits(copy.deepcopy(module)),
                 "classification",
                 prior_precision=25.0,
                 backend=CurvlinopsGGN,

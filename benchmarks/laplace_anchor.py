@@ -40,7 +40,7 @@ import torch
 from pyro_bdl.data import ClassificationCollator, load, make_loader
 from pyro_bdl.inference import LaplaceGuide, fit_map
 from pyro_bdl.metrics import accuracy, brier, ece, nll
-from pyro_bdl.models import lora_model
+from pyro_bdl.models import DictLogits, lora_model
 from pyro_bdl.predict import predict_proba
 
 NUM_TRAIN, EPOCHS, BATCH_SIZE, LEARNING_RATE = 2000, 10, 32, 5e-4
@@ -51,18 +51,6 @@ def laplace_torch():
     here = Path(__file__).resolve().parent
     sys.path = [p for p in sys.path if Path(p or ".").resolve() != here]
     return importlib.import_module("laplace"), importlib.import_module("laplace.curvature")
-
-
-class Logits(torch.nn.Module):
-    """The peft classifier as laplace-torch wants it: dict batch -> logits."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, data):
-        inputs = {key: value for key, value in data.items() if key != "labels"}
-        return self.module(**inputs).logits
 
 
 def metrics(probs, labels) -> dict[str, float]:
@@ -102,7 +90,7 @@ def map_checkpoint(lora, train_loader, num_data, cache: Path) -> None:
 def epoch_time(module, loader) -> float:
     start = time.perf_counter()
     for batch in loader:
-        logits = Logits(module)(batch)
+        logits = DictLogits(module)(batch)
         torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum").backward()
     module.zero_grad(set_to_none=True)
     return time.perf_counter() - start
@@ -112,7 +100,7 @@ def forward_time(module, loader) -> float:
     start = time.perf_counter()
     with torch.no_grad():
         for batch in loader:
-            Logits(module)(batch)
+            DictLogits(module)(batch)
     return time.perf_counter() - start
 
 
@@ -178,7 +166,7 @@ def main():
 
     laplace, curvatures = laplace_torch()
     reference = laplace.KronLaplace(
-        Logits(module), "classification", prior_precision=25.0, backend=curvatures.CurvlinopsGGN
+        DictLogits(module), "classification", prior_precision=25.0, backend=curvatures.CurvlinopsGGN
     )
     start = time.perf_counter()
     reference.fit(train_loader)

@@ -61,6 +61,7 @@ from pyro_bdl.experiments.lora_finetune import (
     evaluate,
     fine_tune_map,
     laplace,
+    laplace_draws,
     lora_dropout,
     minilm_tokenizer,
     point_draws,
@@ -70,6 +71,7 @@ from pyro_bdl.experiments.lora_finetune import (
 )
 from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import baselines
+from pyro_bdl.models import DictLogits
 from pyro_bdl.plots import reliability_diagram
 
 __all__ = ["run", "FULL", "QUICK", "METHODS"]
@@ -271,21 +273,7 @@ def _llla(fits: _Fits, seed: int, settings: dict) -> dict:
 
 
 def _laplace_row(guide, task: Task, seed: int, settings: dict) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-
-    def draws(batch):
-        # num_data=None: the likelihood's scale plays no part in the logits, and a test
-        # batch may hold more examples than the training set (ARC-Easy: 16).
-        return guide.predictive(
-            batch,
-            None,
-            link="mc",
-            num_samples=settings["laplace_samples"],
-            return_samples=True,
-            generator=generator,
-        )
-
-    return _row(draws, task)
+    return _row(laplace_draws(guide, settings["laplace_samples"], seed), task)
 
 
 def _info(guide) -> dict:
@@ -306,7 +294,7 @@ def _la_torch(fits: _Fits, seed: int, settings: dict) -> dict:
     # torch.func's vmap has no batching rule for the fused attention's backward, which
     # laplace-torch's Jacobians hit; the plain attention computes the same function.
     module.get_base_model().set_attn_implementation("eager")
-    module = _DictLogits(module).eval()
+    module = DictLogits(module).eval()
     la = laplace_torch.KronLaplace(
         module,
         "classification",
@@ -341,18 +329,6 @@ def _la_torch(fits: _Fits, seed: int, settings: dict) -> dict:
         "rows": {"LA-torch": _row(draws, fits.task)},
         "laplace": {"prior_precision": precision, "log_marginal_likelihood": evidence},
     }
-
-
-class _DictLogits(torch.nn.Module):
-    """A classifier as laplace-torch calls it: the batch dict in, logits out."""
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        inputs = {key: value for key, value in batch.items() if key != "labels"}
-        return self.module(**inputs).logits
 
 
 def _blob(fits: _Fits, seed: int, settings: dict) -> dict:

@@ -55,6 +55,7 @@ __all__ = [
     "single_thread",
     "fine_tune_map",
     "point_draws",
+    "laplace_draws",
     "lora_dropout",
     "sghmc_chains",
     "laplace",
@@ -444,6 +445,23 @@ def point_draws(model: Callable, fits: Sequence[Mapping[str, torch.Tensor]]) -> 
     """Class probabilities of each fitted weight value, ``(len(fits), B, C)``."""
     samples = {site: torch.stack([fit[site] for fit in fits]) for site in fits[0]}
     return lambda batch: predict_proba(model, batch, samples=samples)
+
+
+def laplace_draws(guide: LaplaceGuide, num_samples: int, seed: int) -> Draws:
+    """Class probabilities of the linearised predictive's joint logit draws, ``(S, B, C)``.
+
+    ``num_data=None``: the likelihood's scale plays no part in the logits, and a test
+    batch may hold more examples than the training set (ARC-Easy: 16).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return lambda batch: guide.predictive(
+        batch,
+        None,
+        link="mc",
+        num_samples=num_samples,
+        return_samples=True,
+        generator=generator,
+    )
 
 
 def predict(draws: Draws, loader: DataLoader) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,7 @@ from pyro_bdl.experiments.lora_finetune import (
     evaluate,
     fine_tune_map,
     laplace,
+    laplace_draws,
     minilm_tokenizer,
     point_draws,
     predict,
@@ -169,35 +170,28 @@ def _map(network, task, theta_map, seed, settings):
 
 def _serial(network, task, theta_map, seed, settings):
     """One chain from the MAP, draws evenly spaced along it."""
-    return point_draws(
-        network.model,
-        sghmc_chains(
-            network.model,
-            task,
-            theta_map,
-            num_chains=1,
-            steps=settings["chains"] * _steps_per_epoch(task),
-            num_samples=settings["serial_draws"],
-            seed=1000 * seed,
-            **settings["sghmc"],
-        ),
-    )
+    steps = settings["chains"] * _steps_per_epoch(task)
+    return _sghmc(network, task, theta_map, seed, settings, 1, steps, settings["serial_draws"])
 
 
 def _parallel(network, task, theta_map, seed, settings):
     """Chains from the MAP, one epoch each, the last draw of each."""
-    return point_draws(
+    steps = _steps_per_epoch(task)
+    return _sghmc(network, task, theta_map, seed, settings, settings["chains"], steps, 1)
+
+
+def _sghmc(network, task, theta_map, seed, settings, num_chains, steps, num_samples):
+    chains = sghmc_chains(
         network.model,
-        sghmc_chains(
-            network.model,
-            task,
-            theta_map,
-            num_chains=settings["chains"],
-            steps=_steps_per_epoch(task),
-            seed=1000 * seed,
-            **settings["sghmc"],
-        ),
+        task,
+        theta_map,
+        num_chains=num_chains,
+        steps=steps,
+        num_samples=num_samples,
+        seed=1000 * seed,
+        **settings["sghmc"],
     )
+    return point_draws(network.model, chains)
 
 
 def _steps_per_epoch(task: Task) -> int:
@@ -224,15 +218,7 @@ def _blob(network, task, theta_map, seed, settings):
 
 def _la(network, task, theta_map, seed, settings):
     guide = laplace(network.model, task, theta_map, settings["marglik_steps"])
-    generator = torch.Generator().manual_seed(seed)
-    return lambda batch: guide.predictive(
-        batch,
-        task.num_data,
-        link="mc",
-        num_samples=settings["laplace_samples"],
-        return_samples=True,
-        generator=generator,
-    )
+    return laplace_draws(guide, settings["laplace_samples"], seed)
 
 
 _DRAWS = {

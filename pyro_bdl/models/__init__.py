@@ -12,7 +12,7 @@ Example::
 from pyro_bdl.models.bayesian_net import BayesianNet
 from pyro_bdl.models.checkpointing import enable_checkpointing
 from pyro_bdl.models.cnn_lstm import CNNLSTM, cnn_lstm_model
-from pyro_bdl.models.heads import AnswerTokens, Classification, NextToken
+from pyro_bdl.models.heads import AnswerTokens, Classification, DictLogits, NextToken
 from pyro_bdl.models.lora import LoRAModel, lora_model
 from pyro_bdl.models.lstm import LSTM
 
@@ -21,6 +21,7 @@ __all__ = [
     "Classification",
     "AnswerTokens",
     "NextToken",
+    "DictLogits",
     "CNNLSTM",
     "LSTM",
     "cnn_lstm_model",

@@ -24,7 +24,7 @@ import torch
 from pyro_bdl.lift import LiftedModule
 from pyro_bdl.likelihoods import observe
 
-__all__ = ["Classification", "AnswerTokens", "NextToken", "IGNORE_INDEX"]
+__all__ = ["Classification", "AnswerTokens", "NextToken", "DictLogits", "IGNORE_INDEX"]
 
 #: The label of a token that carries no loss (padding), as in Hugging Face's collators.
 IGNORE_INDEX = -100
@@ -36,6 +36,28 @@ def _output_logits(output: Any) -> torch.Tensor:
     if logits.dtype in (torch.float16, torch.bfloat16):
         return logits.float()
     return logits
+
+
+class DictLogits(torch.nn.Module):
+    """A Hugging Face classifier called on a whole batch dict, returning its logits.
+
+    The calling convention of libraries that pass the batch as one argument (laplace-torch
+    with its dict-batch loaders); ``labels`` are left out of the call.
+
+    Example::
+
+        la = laplace.KronLaplace(DictLogits(peft_model), "classification")
+
+    :param torch.nn.Module module: a model called as ``module(**inputs)``.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        return _output_logits(self.module(**inputs))
 
 
 def _accepts(net: LiftedModule, argument: str) -> bool:

@@ -12,6 +12,7 @@ import pyro_bdl as bdl
 from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.inference.laplace.curvature import DiagonalBlock, KronBlock
 from pyro_bdl.inference.laplace.jacobians import DenseGradient
+from pyro_bdl.models import DictLogits
 
 laplace = pytest.importorskip("laplace")
 curvatures = pytest.importorskip("laplace.curvature")
@@ -82,18 +83,8 @@ def test_tokens_share_the_weight_by_the_expand_convention():
     def collate(batch):
         return {key: torch.stack([row[key] for row in batch]) for key in batch[0]}
 
-    class Logits(torch.nn.Module):
-        def __init__(self, module):
-            super().__init__()
-            self.module = module
-
-        def forward(self, data):
-            return self.module(
-                input_ids=data["input_ids"], attention_mask=data["attention_mask"]
-            ).logits
-
     reference = laplace.KronLaplace(
-        Logits(copy.deepcopy(lora)),
+        DictLogits(copy.deepcopy(lora)),
         "classification",
         prior_precision=4.0,
         backend=curvatures.CurvlinopsGGN,
