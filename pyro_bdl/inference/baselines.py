@@ -16,6 +16,8 @@ the same way. The methods (BLoB, section 4.1 and Table 3):
   no flipout, the plain ELBO (Blundell et al., 2015), ``S = num_samples``;
 - :func:`blob`: BLoB itself (:class:`~pyro_bdl.inference.BLoBGuide`, :func:`fit_blob`),
   ``S = num_samples``; ``num_samples = 0`` predicts with the mean weights ("BLoB (N=0)").
+- :func:`ivon`: IVON (Shen et al., 2024; on LoRA, Cong et al., 2024) on the random LoRA
+  weights (:class:`~pyro_bdl.inference.IVONGuide`, :func:`fit_ivon`), ``S = num_samples``.
 
 The paper's BBB "only Bayesianizes the A matrix, similar to BLoB": lift with
 ``random="lora_A", point="lora_B"`` for it; lifting every LoRA weight random gives BBB on
@@ -38,9 +40,10 @@ from pyro import poutine
 from pyro.infer import SVI, TraceMeanField_ELBO
 from tqdm.auto import trange
 
+from pyro_bdl import _checks
 from pyro_bdl.inference.map import fit_map
 from pyro_bdl.inference.minibatch import Minibatches
-from pyro_bdl.inference.vi import BLoBGuide, MeanFieldGuide, fit_blob
+from pyro_bdl.inference.vi import BLoBGuide, IVONGuide, MeanFieldGuide, fit_blob, fit_ivon
 from pyro_bdl.lift import LiftedModule
 from pyro_bdl.predict import predict_proba
 from pyro_bdl.priors import IIDNormal
@@ -53,6 +56,7 @@ __all__ = [
     "deep_ensemble",
     "bbb",
     "blob",
+    "ivon",
 ]
 
 # AdamW's epsilon of the reference implementation of the BLoB baselines.
@@ -346,6 +350,68 @@ def blob(
     # The flipout hooks stay on the peft model while the guide lives; the predictor switches
     # them on for its own predictions only, so that later fits on the network run plain.
     member.flipout, guide.flipout = flipout, False
+    return Predictor(model, [member], num_samples=num_samples, dropout=_lora_dropout(net))
+
+
+def ivon(
+    model: Callable,
+    *args,
+    num_steps: int,
+    net: LiftedModule | None = None,
+    lr: float = 0.1,
+    ess: float | None = None,
+    hess_init: float = 1.0,
+    beta1: float = 0.9,
+    beta2: float = 0.99999,
+    mc_samples: int = 1,
+    clip_radius: float = math.inf,
+    prior_std: float | None = 0.2,
+    num_samples: int = 10,
+    progress: bool = True,
+    **kwargs,
+) -> Predictor:
+    r"""IVON on the random LoRA weights ("IVON"): :func:`~pyro_bdl.inference.fit_ivon`.
+
+    The variational posterior is :class:`~pyro_bdl.inference.IVONGuide`'s: means at the
+    module's weights, :math:`h` at ``hess_init``, the weight decay from the prior
+    :math:`\mathcal{N}(0, \sigma_p^2)`. IVON trains the random weights only: lift every
+    LoRA weight random (Cong et al. put the posterior on A and B); point weights keep
+    their values (with a warning). Defaults are ``ivon-opt``'s.
+
+    :param float ess: the effective sample size :math:`\lambda` (default :math:`N`, the
+        posterior).
+    :param float hess_init: where the Hessian estimate :math:`h` starts.
+    :param float beta1: the momentum's decay.
+    :param float beta2: the Hessian estimate's decay.
+    :param int mc_samples: weight draws per training step.
+    :param float clip_radius: the clip of the preconditioned update.
+    :param float prior_std: :math:`\sigma_p` of the fit (None keeps the network's prior).
+    :param int num_samples: weight draws per prediction; 0 predicts with the mean weights.
+
+    The other parameters are :func:`mle`'s.
+    """
+    net = _lifted(model, net)
+    num_samples = _checks.integer("num_samples", num_samples, low=0)
+    if prior_std is not None:
+        prior_std = _checks.real("prior_std", prior_std, positive=True)
+    guide = IVONGuide(model, ess=ess, hess_init=hess_init)
+    _forget_point_weights(net)
+    _forget_params(type(guide).__name__ + ".")
+    with _prior(net, prior_std):
+        fit_ivon(
+            model,
+            guide,
+            *args,
+            num_steps=num_steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            mc_samples=mc_samples,
+            clip_radius=clip_radius,
+            progress=progress,
+            **kwargs,
+        )
+    member = _guide_member(guide, net, Minibatches(args, kwargs))
     return Predictor(model, [member], num_samples=num_samples, dropout=_lora_dropout(net))
 
 

@@ -41,12 +41,21 @@ class LogJoint(Messenger):
     :param dict values: latent site name -> value (in the site's support).
     :param bool analytic_priors: leave the gradient of isotropic normal priors to
         :meth:`add_prior_scores` (see the module docstring).
+    :param bool likelihood_only: sum the observed sites only, leaving out the priors of
+        the latent sites (for methods that treat the prior in closed form, as IVON does).
     """
 
-    def __init__(self, values: dict[str, torch.Tensor], analytic_priors: bool = False):
+    def __init__(
+        self,
+        values: dict[str, torch.Tensor],
+        analytic_priors: bool = False,
+        *,
+        likelihood_only: bool = False,
+    ):
         super().__init__()
         self.values = values
         self.analytic_priors = analytic_priors
+        self.likelihood_only = likelihood_only
         self.value: torch.Tensor | float = 0.0
         # site -> (loc, precision * scale): the prior's score is -coef * (theta - loc).
         self.prior_scores: dict[str, tuple[float, float]] = {}
@@ -66,7 +75,7 @@ class LogJoint(Messenger):
         self._latent.add(msg["name"])
 
     def _pyro_post_sample(self, msg: dict) -> None:
-        if site_is_subsample(msg):
+        if site_is_subsample(msg) or (self.likelihood_only and msg["name"] in self._latent):
             return
         fn, value, scale = msg["fn"], msg["value"], msg["scale"]
         if (

@@ -111,12 +111,18 @@ class MeanFieldGuide(AutoGuide):
         with torch.no_grad():
             super()._setup_prototype(*args, **kwargs)
         self._event_dims = {}
-        self.locs = PyroModule()
-        self.scale_params = PyroModule()
+        init_locs = {}
         for name, site in self.prototype_trace.iter_stochastic_nodes():
             _check_site(type(self).__name__, name, site)
-            init_loc = site["value"].detach().clone()
+            init_locs[name] = site["value"].detach().clone()
             self._event_dims[name] = site["fn"].event_dim
+        self._init_parameters(init_locs)
+
+    def _init_parameters(self, init_locs: dict[str, torch.Tensor]) -> None:
+        """Register the variational parameters: a mean and a raw scale per site."""
+        self.locs = PyroModule()
+        self.scale_params = PyroModule()
+        for name, init_loc in init_locs.items():
             deep_setattr(self.locs, name, PyroParam(init_loc, constraints.real))
             deep_setattr(
                 self.scale_params,

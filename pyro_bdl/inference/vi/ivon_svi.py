@@ -1,0 +1,261 @@
+r"""IVON's training step: Algorithm 1 of Shen et al. (2024), as the authors' ``ivon-opt`` does it.
+
+One step on a minibatch, with :math:`\bar\ell` the minibatch's mean negative log likelihood
+per data point (:math:`-\frac{1}{N}` times the likelihood that ``bdl.observe`` scales by
+:math:`N/B`), :math:`\lambda` the effective sample size and :math:`\delta` the weight decay
+of :class:`~pyro_bdl.inference.IVONGuide`:
+
+.. math::
+
+    \hat g &= \nabla \bar\ell(\theta), \quad \theta = m + \epsilon, \quad
+        \epsilon \sim \mathcal{N}(0, 1 / (\lambda (h + \delta)))
+        \qquad \text{(averaged over MC samples)} \\
+    \hat h &= \hat g \cdot \epsilon\, \lambda (h + \delta)
+        \qquad \text{(Price's theorem: } \mathbb{E}[\hat h] = \mathbb{E}_q[\mathrm{diag}\,
+        \nabla^2 \bar\ell]) \\
+    g &\leftarrow \beta_1 g + (1 - \beta_1) \hat g \\
+    h &\leftarrow \beta_2 h + (1 - \beta_2) \hat h
+        + \tfrac12 (1 - \beta_2)^2 (h - \hat h)^2 / (h + \delta) \\
+    m &\leftarrow m - \alpha (h_0 + \delta)\, \mathrm{clip}_\rho\Big(
+        \frac{g / (1 - \beta_1^t) + \delta (m - \mu)}{h + \delta}\Big)
+
+The last term of the :math:`h` update keeps :math:`h + \delta` positive; the learning rate
+is rescaled by :math:`h_0 + \delta` so that the first step is an SGD step of size
+:math:`\alpha`; :math:`\mathrm{clip}_\rho` clips each coordinate to :math:`[-\rho, \rho]`;
+:math:`\mu` is the prior mean (0 in the paper). These are the defaults of ``ivon-opt``
+(``rescale_lr=True``, ``debias=True``, ``hess_approx="price"``), whose order of operations
+this follows, so that with the same seed both draw the same noise and take the same steps.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import trange
+
+from pyro_bdl import _checks
+from pyro_bdl.inference.log_joint import LogJoint
+from pyro_bdl.inference.minibatch import Minibatches
+from pyro_bdl.inference.vi.ivon import IVONGuide
+
+__all__ = ["IVONSVI", "fit_ivon"]
+
+
+class IVONSVI:
+    r"""IVON steps of an :class:`~pyro_bdl.inference.IVONGuide`, one minibatch at a time.
+
+    Like :class:`pyro.infer.SVI`, :meth:`step` takes the model's arguments for one
+    minibatch. A step costs ``mc_samples`` forward and backward passes of the model and a
+    few element-wise operations over the flat vectors of :math:`m` and :math:`h`; it
+    never waits for the device (the loss comes back as a tensor). The guide holds
+    :math:`m` and :math:`h`; this object holds the momentum :math:`g` and the step count.
+    Point weights of the model (``pyro.param`` sites) keep their values.
+
+    **References**
+
+    [1] Y. Shen et al., "Variational Learning is Effective for Large Deep Networks",
+        ICML 2024, Algorithm 1; and the authors' ``ivon-opt`` (``ivon/_ivon.py``).
+
+    Example::
+
+        guide = IVONGuide(model)
+        svi = IVONSVI(model, guide, lr=0.1)
+        for batch in batches:
+            loss = svi.step(batch, num_data)
+
+    :param callable model: a Pyro model with a ``bdl.observe`` likelihood.
+    :param IVONGuide guide: the guide to train.
+    :param float lr: the learning rate :math:`\alpha \ge 0`.
+    :param float beta1: the momentum's decay :math:`\beta_1 \in [0, 1)`.
+    :param float beta2: the Hessian estimate's decay :math:`\beta_2 \in [0, 1]`.
+    :param int mc_samples: weight draws per step, their gradients averaged.
+    :param float clip_radius: :math:`\rho > 0`, the clip of each coordinate of the
+        preconditioned update (``inf``: none, as in ``ivon-opt``).
+    :param callable schedule: ``t -> multiplier`` of ``lr`` at step ``t`` (from 0), e.g.
+        a cosine decay; see :mod:`~pyro_bdl.inference.sgmcmc.schedules`.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        guide: IVONGuide,
+        *,
+        lr: float = 0.1,
+        beta1: float = 0.9,
+        beta2: float = 0.99999,
+        mc_samples: int = 1,
+        clip_radius: float = math.inf,
+        schedule: Callable[[int], float] | None = None,
+    ):
+        self.model = _checks.function("model", model, "a Pyro model (a callable)")
+        self.guide = _checks.instance("guide", guide, IVONGuide, "an IVONGuide")
+        self.lr = _checks.real("lr", lr, non_negative=True)
+        self.beta1 = _checks.probability("beta1", beta1, open_high=True)
+        self.beta2 = _checks.probability("beta2", beta2)
+        self.mc_samples = _checks.integer("mc_samples", mc_samples, low=1)
+        self.clip_radius = _checks.real("clip_radius", clip_radius, positive=True, finite=False)
+        if schedule is not None:
+            _checks.function("schedule", schedule, "a callable t -> learning-rate multiplier")
+        self.schedule = schedule
+        self.momentum: torch.Tensor | None = None
+        self.step_count = 0
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """Take one step on the minibatch that ``args`` and ``kwargs`` hold.
+
+        :return: the mean over the MC samples of :math:`\\bar\\ell(\\theta)`, a 0-d tensor
+            on the model's device.
+        """
+        guide = self.guide
+        if self.momentum is None:
+            self._setup(args, kwargs)
+        m, h = guide.loc.unconstrained(), guide.hess.unconstrained()
+        with torch.no_grad():
+            precision = h + guide._delta
+            scale = (precision * guide.ess).rsqrt_()
+        loss = grad = noise_grad = None
+        for _ in range(self.mc_samples):
+            with torch.no_grad():
+                # The draw of ivon-opt: one randn over all weights, in the sites' order.
+                noise = torch.randn(m.shape, dtype=m.dtype, device=m.device).mul_(scale)
+                theta = m + noise
+            sample_loss = self._loss(theta.requires_grad_(), args, kwargs)
+            if sample_loss.requires_grad:
+                (sample_grad,) = torch.autograd.grad(sample_loss, theta)
+            else:  # the likelihood does not depend on the weights
+                sample_grad = torch.zeros_like(theta)
+            with torch.no_grad():
+                if grad is None:
+                    loss, grad, noise_grad = (
+                        sample_loss.detach(),
+                        sample_grad,
+                        noise.mul_(sample_grad),
+                    )
+                else:
+                    loss = loss + sample_loss.detach()
+                    grad.add_(sample_grad)
+                    noise_grad.addcmul_(noise, sample_grad)
+        with torch.no_grad():
+            if self.mc_samples > 1:
+                grad.div_(self.mc_samples)
+                noise_grad.div_(self.mc_samples)
+                loss = loss / self.mc_samples
+            self._update(m, h, grad, noise_grad, precision)
+        return loss
+
+    def _setup(self, args: tuple, kwargs: dict) -> None:
+        self.guide._require_setup(*args, **kwargs)
+        point = self.guide.point_sites
+        if point:
+            warnings.warn(
+                f"IVONSVI trains the model's random sites only; its point weights {point[:3]}"
+                f"{' ...' if len(point) > 3 else ''} (pyro.param) keep their values. Lift them "
+                "as random weights to train them with IVON",
+                stacklevel=3,
+            )
+        self.momentum = torch.zeros_like(self.guide.loc.unconstrained())
+
+    def _loss(self, theta: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """:math:`\\bar\\ell(\\theta)`: minus the likelihood (scaled to N) over N."""
+        with LogJoint(self.guide._unflatten(theta), likelihood_only=True) as likelihood:
+            self.model(*args, **kwargs)
+        if not torch.is_tensor(likelihood.value):
+            raise ValueError(
+                "IVONSVI: the model observes nothing; IVON trains on a likelihood "
+                "(bdl.observe(name, distribution, obs=labels, num_data=N))"
+            )
+        return -likelihood.value / self.guide.num_data
+
+    def _update(
+        self,
+        m: torch.Tensor,
+        h: torch.Tensor,
+        grad: torch.Tensor,
+        noise_grad: torch.Tensor,
+        precision: torch.Tensor,
+    ) -> None:
+        """Algorithm 1's update in place, given the averaged :math:`\\hat g` and
+        :math:`\\hat g \\cdot \\epsilon`; ``precision`` is the :math:`h + \\delta` of the draw."""
+        guide, beta1, beta2 = self.guide, self.beta1, self.beta2
+        delta = guide._delta
+        lr = self.lr * (self.schedule(self.step_count) if self.schedule is not None else 1.0)
+        self.step_count += 1
+        self.momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
+        hess_nll = noise_grad.mul_(precision).mul_(guide.ess)
+        correction = (h - hess_nll).square_().div_(precision)
+        h.mul_(beta2).add_(hess_nll, alpha=1 - beta2).add_(correction, alpha=0.5 * (1 - beta2) ** 2)
+        update = self.momentum.div(1 - beta1**self.step_count).addcmul_(delta, m)
+        if guide._prior_shift is not None:
+            update.sub_(guide._prior_shift)
+        update.div_(h + delta)
+        if math.isfinite(self.clip_radius):
+            update.clamp_(-self.clip_radius, self.clip_radius)
+        m.sub_(update.mul_(delta + guide.hess_init), alpha=lr)
+
+
+def fit_ivon(
+    model: Callable,
+    guide: IVONGuide,
+    *args,
+    num_steps: int,
+    lr: float = 0.1,
+    beta1: float = 0.9,
+    beta2: float = 0.99999,
+    mc_samples: int = 1,
+    clip_radius: float = math.inf,
+    schedule: Callable[[int], float] | None = None,
+    progress: bool = True,
+    **kwargs,
+) -> dict[str, list[float]]:
+    """Train an :class:`~pyro_bdl.inference.IVONGuide` on minibatches (see :class:`IVONSVI`).
+
+    DataLoader arguments are replaced by a fresh minibatch at every step. The loss is read
+    from the device a hundred times per run, for the progress bar and to stop a run whose
+    loss is no longer finite.
+
+    Example::
+
+        guide = IVONGuide(model)
+        history = fit_ivon(model, guide, train_loader, len(train_set), num_steps=5000)
+
+    :param callable model: a Pyro model with a ``bdl.observe`` likelihood.
+    :param IVONGuide guide: the guide to train.
+    :param args: the model's arguments (DataLoaders stand for minibatches).
+    :param int num_steps: training steps.
+    :param bool progress: show a progress bar.
+    :return: ``{"loss": [...]}``, the per-step loss of :meth:`IVONSVI.step`.
+    :raises RuntimeError: if the loss stops being finite (the guide keeps that state).
+
+    The other parameters are :class:`IVONSVI`'s.
+    """
+    svi = IVONSVI(
+        model,
+        guide,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        mc_samples=mc_samples,
+        clip_radius=clip_radius,
+        schedule=schedule,
+    )
+    num_steps = _checks.integer("num_steps", num_steps, low=1)
+    batches = Minibatches(args, kwargs)
+    losses: list[torch.Tensor] = []
+    check_every = max(1, num_steps // 100)
+    bar = trange(num_steps, desc="IVON", disable=not progress, leave=False)
+    for step in bar:
+        step_args, step_kwargs = batches.next()
+        losses.append(svi.step(*step_args, **step_kwargs))
+        if (step + 1) % check_every == 0 or step + 1 == num_steps:
+            recent = float(torch.stack(losses[-check_every:]).mean())
+            if not math.isfinite(recent):
+                raise RuntimeError(
+                    f"fit_ivon: the loss is {recent} by step {step + 1}; IVON diverged. Lower "
+                    f"lr (now {lr}), raise hess_init (now {guide.hess_init}) or clip the update "
+                    f"with clip_radius (now {clip_radius})"
+                )
+            bar.set_postfix(loss=f"{recent:.4g}", refresh=False)
+    return {"loss": torch.stack(losses).tolist()}
