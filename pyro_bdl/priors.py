@@ -20,7 +20,14 @@ from typing import Protocol, runtime_checkable
 import pyro.distributions as dist
 import torch
 
-__all__ = ["Prior", "IIDNormal", "LayerwiseNormal", "IsotropicNormal", "normal_prior"]
+__all__ = [
+    "Prior",
+    "IIDNormal",
+    "LayerwiseNormal",
+    "IsotropicNormal",
+    "normal_prior",
+    "normal_parameters",
+]
 
 
 @runtime_checkable
@@ -52,6 +59,29 @@ def normal_prior(param: torch.Tensor, loc: float | torch.Tensor, scale: float | 
     loc = torch.as_tensor(loc, dtype=param.dtype, device=param.device)
     scale = torch.as_tensor(scale, dtype=param.dtype, device=param.device)
     return dist.Normal(loc, scale).expand(param.shape).to_event(param.dim())
+
+
+def normal_parameters(
+    distribution: torch.distributions.Distribution, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The mean and standard deviation of an independent normal, shaped like ``like``.
+
+    ``distribution`` may wrap its ``Normal`` in ``Independent`` and expanded layers, as
+    :func:`normal_prior`, :class:`IsotropicNormal` and ``dist.Normal(...).expand(...)
+    .to_event(...)`` do. Methods that treat a normal prior in closed form (the Laplace
+    prior term, IVON's weight decay) read it with this.
+
+    :param distribution: a site's distribution, e.g. a prior.
+    :param torch.Tensor like: a value of the site (its shape).
+    :return: ``(loc, scale)``, detached and broadcast to ``like.shape``; None if the
+        distribution is not an independent normal.
+    """
+    base = distribution
+    while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
+        base = base.base_dist
+    if not isinstance(base, torch.distributions.Normal):
+        return None
+    return base.loc.detach().expand(like.shape), base.scale.detach().expand(like.shape)
 
 
 class IsotropicNormal(dist.Independent):

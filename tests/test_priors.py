@@ -4,7 +4,7 @@ import torch
 from torch.distributions import kl_divergence
 
 import pyro_bdl as bdl
-from pyro_bdl.priors import IsotropicNormal, normal_prior
+from pyro_bdl.priors import IsotropicNormal, normal_parameters, normal_prior
 
 
 def _reference(loc, scale, shape):
@@ -35,6 +35,18 @@ def test_tensor_scales_use_the_generic_normal():
     prior = normal_prior(weight, 0.0, torch.tensor([1.0, 2.0]))
     assert not isinstance(prior, IsotropicNormal)
     assert torch.allclose(prior.base_dist.scale, torch.tensor([[1.0, 2.0], [1.0, 2.0]]))
+
+
+def test_normal_parameters_read_every_independent_normal_and_nothing_else():
+    weight = torch.zeros(2, 3)
+    isotropic = normal_prior(weight, 0.5, 2.0)
+    loc, scale = normal_parameters(isotropic, weight)
+    assert torch.equal(loc, torch.full((2, 3), 0.5)) and torch.equal(scale, torch.full((2, 3), 2.0))
+    per_column = dist.Normal(torch.tensor([0.0, 1.0, 2.0]), 3.0).expand([2, 3]).to_event(2)
+    loc, scale = normal_parameters(per_column, weight)
+    assert torch.equal(loc, torch.tensor([[0.0, 1.0, 2.0]] * 2))
+    assert torch.equal(scale, torch.full((2, 3), 3.0))
+    assert normal_parameters(dist.Laplace(0.0, 1.0).expand([2, 3]).to_event(2), weight) is None
 
 
 def test_iid_normal_rejects_a_non_positive_scale():

@@ -68,7 +68,9 @@ def test_likelihood_only_is_the_trace_log_likelihood_scaled_by_n_over_b():
     with LogJoint(values, likelihood_only=True) as log_joint:
         model(x, y)
     assert torch.allclose(log_joint.value, trace.nodes["y"]["log_prob_sum"])
-    assert torch.allclose(trace.nodes["y"]["log_prob_sum"], trace.nodes["y"]["fn"].log_prob(y).sum() * 10 / 4)
+    assert torch.allclose(
+        trace.nodes["y"]["log_prob_sum"], trace.nodes["y"]["fn"].log_prob(y).sum() * 10 / 4
+    )
 
 
 def test_a_latent_site_missing_from_values_is_an_error():

@@ -41,6 +41,7 @@ from pyro_bdl.inference.laplace.prior import LaplacePrior
 from pyro_bdl.inference.map import fit_map
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.lift import init_to_module
+from pyro_bdl.priors import normal_parameters
 
 __all__ = ["LaplaceGuide"]
 
@@ -622,15 +623,11 @@ def _is_real(support) -> bool:
 
 def _normal_prior(name: str, fn, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (loc, scale) of a latent site's independent normal prior, shaped like it."""
-    base = fn
-    while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
-        base = base.base_dist
-    if not isinstance(base, torch.distributions.Normal):
+    parameters = normal_parameters(fn, value)
+    if parameters is None:
         raise ValueError(
             f"LaplaceGuide: the prior of {name!r} is {type(fn).__name__}; the Laplace prior "
             "term needs an independent Normal (bdl.priors.IIDNormal, LayerwiseNormal, or "
             "the as_prior() of a diagonal Laplace guide)"
         )
-    loc = base.loc.detach().expand(value.shape)
-    scale = base.scale.detach().expand(value.shape)
-    return loc, scale
+    return parameters

@@ -39,7 +39,7 @@ from pyro_bdl import _checks
 from pyro_bdl.inference.log_joint import observed_num_data
 from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
 from pyro_bdl.lift import init_to_module
-from pyro_bdl.priors import IsotropicNormal
+from pyro_bdl.priors import normal_parameters
 
 __all__ = ["IVONGuide"]
 
@@ -250,25 +250,14 @@ class IVONGuide(MeanFieldGuide):
 
 
 def _weight_decay(name: str, site: dict, num_data: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight decay :math:`s / (N \\sigma_p^2)` and the mean of one site's Normal prior."""
-    prior = site["fn"]
-    value = site["value"]
-    if isinstance(prior, IsotropicNormal):
-        loc, scale = prior.loc_value, prior.scale_value
-    else:
-        base = prior
-        while isinstance(base, torch.distributions.Independent):
-            base = base.base_dist
-        if not isinstance(base, torch.distributions.Normal):
-            raise ValueError(
-                f"IVONGuide: site {name!r} has the prior {type(prior).__name__}; IVON's weight "
-                "decay is the precision of a Normal prior: give the site a Normal prior "
-                "(bdl.priors.IIDNormal, LayerwiseNormal, or dist.Normal)"
-            )
-        loc, scale = base.loc, base.scale
-    site_scale = site["scale"]
-    loc = torch.as_tensor(loc, dtype=value.dtype, device=value.device)
-    precision = torch.as_tensor(site_scale, dtype=value.dtype, device=value.device) / (
-        num_data * torch.as_tensor(scale, dtype=value.dtype, device=value.device).square()
-    )
-    return precision, loc
+    """The weight decay :math:`s / (N \\sigma_p^2)` and the mean of one site's Normal prior,
+    both shaped like the site."""
+    parameters = normal_parameters(site["fn"], site["value"])
+    if parameters is None:
+        raise ValueError(
+            f"IVONGuide: site {name!r} has the prior {type(site['fn']).__name__}; IVON's weight "
+            "decay is the precision of a Normal prior: give the site a Normal prior "
+            "(bdl.priors.IIDNormal, LayerwiseNormal, or dist.Normal)"
+        )
+    loc, scale = parameters
+    return site["scale"] / (num_data * scale.square()), loc

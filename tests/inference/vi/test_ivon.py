@@ -8,9 +8,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from pyro.infer import Predictive
-from transformers import BertConfig, BertForSequenceClassification
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import IVONSVI, IVONGuide, baselines, fit_ivon
@@ -363,6 +361,18 @@ def test_point_weights_warn_and_keep_their_values(make_lora_net, make_classifier
     assert not torch.equal(guide.loc, loc)
 
 
+def test_a_schedule_multiplies_the_learning_rate():
+    model, guide = _model_and_guide()
+    x, y = _classes()
+    initial = _flat(model.net.module)
+    svi = IVONSVI(model, guide, beta2=0.9, schedule=lambda t: 0.0 if t == 0 else 1.0)
+    svi.step(x, y, NUM_DATA)  # lr 0: the means stay, h and the momentum move
+    assert torch.equal(guide.loc.detach(), initial)
+    assert not torch.equal(guide.hess.detach(), torch.full_like(initial, guide.hess_init))
+    svi.step(x, y, NUM_DATA)
+    assert not torch.equal(guide.loc.detach(), initial)
+
+
 def test_a_diverging_fit_stops_with_an_error_naming_lr():
     x, _ = _regression()
     counts = torch.poisson(torch.exp(x[:, 0]), generator=torch.Generator().manual_seed(0))
@@ -505,79 +515,52 @@ def test_fit_ivon_rejects_bad_arguments_before_any_step(kwargs, error, match):
 # -- the baseline ----------------------------------------------------------------------
 
 
+LORA_STEPS, LORA_LR = 100, 0.5
+
+
 @pytest.fixture
-def lora_task():
-    """A 1-layer BERT with LoRA A, B and the head random; labels say whether token 7 occurs."""
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=40,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        num_labels=2,
-    )
-    lora = LoraConfig(
-        r=2, lora_alpha=2, target_modules=["query", "value"], modules_to_save=["classifier"]
-    )
-    peft_model = get_peft_model(BertForSequenceClassification(config).eval(), lora)
-    net = bdl.lift(peft_model, bdl.priors.IIDNormal(1.0))  # every trainable weight random
+def lora_task(make_lora_net, data):
+    """The tiny peft LoRA of the conftest with A and B random, on batches of dicts."""
+    net = make_lora_net(random="lora_", point=None)
 
     def model(batch, num_data=None):
-        logits = net(input_ids=batch["input_ids"]).logits
-        bdl.observe("y", dist.Categorical(logits=logits), batch.get("labels"), num_data)
+        logits = net(batch["x"])
+        bdl.observe("y", dist.Categorical(logits=logits), batch.get("y"), num_data)
         return logits
 
     model.net = net
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(8, 40, (NUM_DATA, 6), generator=generator)
-    labels = torch.randint(0, 2, (NUM_DATA,), generator=generator)
-    input_ids[labels == 1, 2] = 7
-    data = [{"input_ids": i, "labels": y} for i, y in zip(input_ids, labels)]
-    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=generator)
-    return net, model, loader, {"input_ids": input_ids, "labels": labels}
+    x, y = data
+    rows = [{"x": xi, "y": yi} for xi, yi in zip(x, y)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
+    return net, model, loader, {"x": x, "y": y}
 
 
 def test_ivon_baseline_trains_and_predicts_class_probabilities(lora_task):
     net, model, loader, everything = lora_task
-    labels = everything["labels"]
+    size, labels = len(everything["y"]), everything["y"]
 
     def nll(probs):
-        return -probs.mean(0)[torch.arange(NUM_DATA), labels].log().mean().item()
+        return -probs.mean(0)[torch.arange(size), labels].log().mean().item()
 
-    with torch.no_grad():
-        untrained = predict_proba(
-            model,
-            everything,
-            NUM_DATA,
-            samples={k: v[None] for k, v in net.init_values().items()},
-        )
+    untrained = predict_proba(
+        model, everything, size, samples={k: v[None] for k, v in net.init_values().items()}
+    )
     prior = net.prior
     pyro.set_rng_seed(0)
-    # 32 examples leave the posterior of 162 weights wide: train a cold one (T = 0.1).
     predictor = baselines.ivon(
-        model,
-        loader,
-        NUM_DATA,
-        num_steps=60,
-        lr=1.0,
-        ess=10 * NUM_DATA,
-        prior_std=1.0,
-        num_samples=4,
-        progress=False,
+        model, loader, size, num_steps=LORA_STEPS, lr=LORA_LR, num_samples=4, progress=False
     )
     assert net.prior is prior  # the fit's prior_std held for the fit only
-    probs = predictor(everything, NUM_DATA)
-    assert probs.shape == (4, NUM_DATA, 2)
-    torch.testing.assert_close(probs.sum(-1), torch.ones(4, NUM_DATA))
+    probs = predictor(everything, size)
+    assert probs.shape == (4, size, 3)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4, size, **F64))
     assert torch.unique(probs, dim=0).shape[0] == 4
     assert nll(probs) < nll(untrained) - 0.05
     predictor.num_samples = 0  # the mean weights
     (member,) = predictor.members
     with torch.no_grad(), net.fixed(member.median):
-        logits = net.module(input_ids=everything["input_ids"]).logits
-    torch.testing.assert_close(predictor(everything, NUM_DATA)[0], torch.softmax(logits, -1))
+        logits = net.module(everything["x"])
+    torch.testing.assert_close(predictor(everything, size)[0], torch.softmax(logits, -1))
 
 
 @pytest.mark.parametrize(
@@ -596,4 +579,4 @@ def test_ivon_baseline_rejects_bad_arguments(lora_task, kwargs, error, match):
     _, model, loader, _ = lora_task
     kwargs = {"num_steps": 1, "progress": False, **kwargs}
     with pytest.raises(error, match=match):
-        baselines.ivon(model, loader, NUM_DATA, **kwargs)
+        baselines.ivon(model, loader, 16, **kwargs)
