@@ -116,28 +116,19 @@ class IVONSVI:
         with torch.no_grad():
             precision = h + guide._delta
             scale = (precision * guide.ess).rsqrt_()
-        loss = grad = noise_grad = None
+        loss, grad, noise_grad = 0.0, torch.zeros_like(m), torch.zeros_like(m)
         for _ in range(self.mc_samples):
             with torch.no_grad():
                 # The draw of ivon-opt: one randn over all weights, in the sites' order.
                 noise = torch.randn(m.shape, dtype=m.dtype, device=m.device).mul_(scale)
                 theta = m + noise
             sample_loss = self._loss(theta.requires_grad_(), args, kwargs)
-            if sample_loss.requires_grad:
+            if sample_loss.requires_grad:  # else the likelihood ignores the weights
                 (sample_grad,) = torch.autograd.grad(sample_loss, theta)
-            else:  # the likelihood does not depend on the weights
-                sample_grad = torch.zeros_like(theta)
-            with torch.no_grad():
-                if grad is None:
-                    loss, grad, noise_grad = (
-                        sample_loss.detach(),
-                        sample_grad,
-                        noise.mul_(sample_grad),
-                    )
-                else:
-                    loss = loss + sample_loss.detach()
+                with torch.no_grad():
                     grad.add_(sample_grad)
                     noise_grad.addcmul_(noise, sample_grad)
+            loss = loss + sample_loss.detach()
         with torch.no_grad():
             if self.mc_samples > 1:
                 grad.div_(self.mc_samples)
