@@ -15,9 +15,9 @@ of Adam": the update is a few element-wise passes over the LoRA weights).
 
 Run::
 
-    python benchmarks/ivon.py                      # the deep proxy, CPU
-    python benchmarks/ivon.py --threads 1 --rounds 15
-    python benchmarks/ivon.py --device cuda --layers 32 --hidden 4096 --heads 32 \\
+    python benchmarks/ivon_overhead.py                      # the deep proxy, CPU
+    python benchmarks/ivon_overhead.py --threads 1 --rounds 15
+    python benchmarks/ivon_overhead.py --device cuda --layers 32 --hidden 4096 --heads 32 \\
         --intermediate 11008 --vocab 32000 --length 256 --dtype bfloat16
 """
 
