@@ -19,7 +19,6 @@ divergence handling and checkpoints live here once.
 from __future__ import annotations
 
 import math
-import multiprocessing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
-from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint
+from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
 from pyro_bdl.inference.sgmcmc.schedules import Constant
 from pyro_bdl.lift import init_to_module
 
@@ -141,7 +140,7 @@ class SGMCMCKernel(MCMCKernel):
         self.transforms = None
         self._initial_params = None
         self._initial_params_given = False
-        self._chains_started = 0
+        self._chain_id: int | None = None  # set by Chains; else the chain MCMC starts
 
     # -- hyperparameters -------------------------------------------------------------
 
@@ -219,11 +218,8 @@ class SGMCMCKernel(MCMCKernel):
         }
         self._stats: dict[str, list[float]] = {key: [] for key in self._stat_names()}
         self._draws: list[dict[str, torch.Tensor]] = []
-        self._store = None
-        if self.checkpoint is not None:
-            self._store = Checkpoint(self.checkpoint / f"chain_{self._chain_index()}", self)
-            self._store.restore()
-        self._chains_started += 1
+        chain = chain_number(self._chain_id)
+        self._store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
 
     def sample(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._store is not None and self._store.replaying(self._iteration):
@@ -253,6 +249,8 @@ class SGMCMCKernel(MCMCKernel):
     def cleanup(self) -> None:
         # Pyro now holds its own copy of every draw; drop ours unless they are on disk.
         self._draws = []
+        if self._store is not None:
+            self._store.close()
 
     # -- what subclasses define ------------------------------------------------------
 
@@ -356,7 +354,9 @@ class SGMCMCKernel(MCMCKernel):
 
     def get_draws(self) -> dict[str, torch.Tensor]:
         """The draws kept so far by this kernel: site name -> (num_draws, *shape)."""
-        draws = self._store.load_draws() if self._store is not None else self._draws
+        if self._store is not None:
+            return self._store.draws()
+        draws = self._draws
         if not draws:
             return {}
         return {name: torch.stack([d[name] for d in draws]) for name in draws[0]}
@@ -400,12 +400,6 @@ class SGMCMCKernel(MCMCKernel):
                 value = params.get(name)
                 if value is not None and value is not theta:
                     theta.copy_(value)
-
-    def _chain_index(self) -> int:
-        # Pyro's multiprocess MCMC names each worker process by its chain number; in one
-        # process, the chains are the successive setups of this kernel.
-        name = multiprocessing.current_process().name
-        return int(name) if name.isdigit() else self._chains_started
 
 
 def _is_real(support: torch.distributions.constraints.Constraint) -> bool:

@@ -1,0 +1,284 @@
+"""torch.distributed plumbing shared by every method: rank, device, reductions, gathering.
+
+pyro_bdl runs on the engine PyTorch users already launch, :mod:`torch.distributed`:
+``torchrun`` (and so ``accelerate launch``, Slurm's ``srun torchrun`` and Kubernetes'
+PyTorchJob) starts one process per device and sets ``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK``. Two uses share this module:
+
+- **Chains across processes**: :class:`~pyro_bdl.inference.Chains` runs chain ``c`` on
+  rank ``c mod W`` and :func:`gather_to_root` brings the kept draws and statistics to
+  rank 0, as CPU tensors, one bounded chunk at a time.
+- **Data parallelism**: every fit averages (or sums) across ranks what each rank
+  computed on its shard of a ``DistributedSampler`` DataLoader with :func:`all_reduce_`
+  (and the same seed on every rank keeps their random draws equal).
+
+Without a process group (a plain ``python script.py``) every function is the identity
+of a world of one process, so the same code runs both ways.
+
+Example::
+
+    import pyro_bdl as bdl
+    bdl.distributed.init_process_group()          # joins the torchrun job, if any
+    net.to(bdl.distributed.device())              # cuda:LOCAL_RANK, or the CPU
+    if bdl.distributed.rank() == 0:
+        print("world of", bdl.distributed.world_size())
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_reduce_",
+    "broadcast_",
+    "device",
+    "gather_to_root",
+    "init_process_group",
+    "is_distributed",
+    "launched_world_size",
+    "local_rank",
+    "rank",
+    "shared_seed",
+    "world_size",
+]
+
+#: The most bytes one message of :func:`gather_to_root` carries (a chunk of draws).
+GATHER_CHUNK_BYTES = 64 * 2**20
+
+_cpu_group = None
+
+
+def is_distributed() -> bool:
+    """Whether this process is one of several in an initialised process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of processes in the job (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def launched_world_size() -> int:
+    """The ``WORLD_SIZE`` a launcher such as torchrun set (1 if none), initialised or not."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    """This process's index on its machine, ``LOCAL_RANK`` (0 if unset)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` when CUDA is there, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(backend: str | None = None, timeout_s: float = 1800.0) -> bool:
+    """Join the job a launcher started, if any; return whether there are several processes.
+
+    Reads torchrun's environment (``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``). The backend
+    is ``"nccl"`` when CUDA is there (after ``torch.cuda.set_device(LOCAL_RANK)``), else
+    ``"gloo"``. Does nothing if the group exists or no launcher set ``WORLD_SIZE``.
+
+    Example::
+
+        if bdl.distributed.init_process_group():
+            sampler = DistributedSampler(train_set)
+
+    :param str backend: ``"gloo"``, ``"nccl"`` or None for the default above.
+    :param float timeout_s: how long a collective waits for the other ranks.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return is_distributed()
+    if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return False
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(device())
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return is_distributed()
+
+
+def all_reduce_(tensors: Sequence[torch.Tensor], op: str = "sum") -> None:
+    """Sum (``op="sum"``) or average (``op="mean"``) tensors across ranks, in place.
+
+    Tensors of one dtype and device travel as one flat buffer: one collective per
+    kind, not one per tensor (the bucketing of ``DistributedDataParallel``).
+
+    :param tensors: the tensors to reduce, the same shapes on every rank.
+    :param str op: ``"sum"`` or ``"mean"``.
+    """
+    if op not in ("sum", "mean"):
+        raise ValueError(f'op must be "sum" or "mean", got {op!r}')
+    if not is_distributed():
+        return
+    for bucket in _buckets(tensors):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat)
+        if op == "mean":
+            flat /= dist.get_world_size()
+        torch._foreach_copy_(bucket, [v.view_as(t) for v, t in zip(_split(flat, bucket), bucket)])
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place."""
+    if not is_distributed():
+        return
+    for bucket in _buckets(tensors):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.broadcast(flat, src)
+        torch._foreach_copy_(bucket, [v.view_as(t) for v, t in zip(_split(flat, bucket), bucket)])
+
+
+def shared_seed(seed: int | None = None) -> int:
+    """``seed``, or a fresh random seed drawn on rank 0 and the same on every rank."""
+    if seed is not None:
+        return seed
+    value = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    if is_distributed():
+        dist.broadcast(value, 0, group=_cpu_group_for_collectives())
+    return int(value)
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    return list(groups.values())
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return flat.split([t.numel() for t in like])
+
+
+def _cpu_group_for_collectives():
+    """A gloo group for CPU tensors (the default group if it is gloo already).
+
+    NCCL moves only CUDA tensors; gathering draws as CPU tensors through it would copy
+    every chunk to the GPU and back, so CPU traffic gets its own gloo group, created
+    once, collectively.
+    """
+    global _cpu_group
+    if dist.get_backend() == "gloo":
+        return None
+    if _cpu_group is None:
+        _cpu_group = dist.new_group(backend="gloo")
+    return _cpu_group
+
+
+# -- gathering kept draws ---------------------------------------------------------------
+
+Item = Mapping[str, object]  # name -> torch.Tensor or array-like (numpy, zarr) of shape (n, ...)
+
+
+def gather_to_root(
+    items: Mapping[int, Item],
+    num_items: int,
+    owner: Callable[[int], int] | None = None,
+    chunk_bytes: int = GATHER_CHUNK_BYTES,
+) -> list[dict[str, torch.Tensor]] | None:
+    """Bring every rank's items (chains, ensemble members) to rank 0, in item order.
+
+    Item ``i`` lives on rank ``owner(i)`` (default ``i mod W``) as a dict of arrays that
+    share a leading dimension (draws): torch tensors on any device, or array-likes such as
+    the zarr arrays of a chain's store, read a slice at a time. Each owner sends a small
+    JSON header (names, shapes, dtypes; never a pickle) and then the arrays in slices of at
+    most ``chunk_bytes`` along the leading dimension, as CPU tensors; rank 0 receives each
+    slice in place into the result, so no rank holds more than one chunk in flight beyond
+    its own items and rank 0's result.
+
+    Example::
+
+        chains = gather_to_root({c: draws[c] for c in mine}, num_chains)
+        if chains is not None:               # rank 0
+            grouped = {k: torch.stack([c[k] for c in chains]) for k in chains[0]}
+
+    :param dict items: this rank's items, item index -> dict of arrays.
+    :param int num_items: the number of items on all ranks together.
+    :param owner: item index -> rank that holds it.
+    :param int chunk_bytes: the most bytes of one message.
+    :return: on rank 0 the list of all items as dicts of CPU tensors; None on other ranks.
+        Without a process group, the items as CPU tensors.
+    """
+    owner = owner or (lambda i: i % world_size())
+    me = rank()
+    group = _cpu_group_for_collectives() if is_distributed() else None
+    gathered = [] if me == 0 else None
+    for index in range(num_items):
+        source = owner(index)
+        if source == me:
+            if index not in items:
+                raise KeyError(f"gather_to_root: item {index} belongs to this rank but is missing")
+            if me == 0:
+                gathered.append({name: _cpu_tensor(value) for name, value in items[index].items()})
+            else:
+                _send_item(items[index], group, chunk_bytes)
+        elif me == 0:
+            gathered.append(_receive_item(source, group, chunk_bytes))
+    return gathered
+
+
+def _cpu_tensor(value) -> torch.Tensor:
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    return torch.from_numpy(np.ascontiguousarray(value[...]))
+
+
+def _header(item: Item) -> dict:
+    header = {}
+    for name, value in item.items():
+        dtype = value.dtype if torch.is_tensor(value) else torch.from_numpy(np.empty(0, value.dtype)).dtype
+        header[name] = [list(value.shape), str(dtype).removeprefix("torch.")]
+    return header
+
+
+def _send_item(item: Item, group, chunk_bytes: int) -> None:
+    encoded = json.dumps(_header(item)).encode()
+    dist.send(torch.tensor([len(encoded)], dtype=torch.int64), 0, group=group)
+    dist.send(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), 0, group=group)
+    for name, value in item.items():
+        for start, stop in _slices(value.shape, _itemsize(value), chunk_bytes):
+            dist.send(_cpu_tensor(value[start:stop]).contiguous(), 0, group=group)
+
+
+def _receive_item(source: int, group, chunk_bytes: int) -> dict[str, torch.Tensor]:
+    length = torch.empty(1, dtype=torch.int64)
+    dist.recv(length, source, group=group)
+    encoded = torch.empty(int(length), dtype=torch.uint8)
+    dist.recv(encoded, source, group=group)
+    header = json.loads(bytes(encoded.numpy()).decode())
+    item = {}
+    for name, (shape, dtype) in header.items():
+        value = torch.empty(shape, dtype=getattr(torch, dtype))
+        for start, stop in _slices(value.shape, value.element_size(), chunk_bytes):
+            dist.recv(value[start:stop], source, group=group)
+        item[name] = value
+    return item
+
+
+def _itemsize(value) -> int:
+    return value.element_size() if torch.is_tensor(value) else np.dtype(value.dtype).itemsize
+
+
+def _slices(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Ranges of the leading dimension holding at most ``chunk_bytes`` each (at least one row)."""
+    if len(shape) == 0:
+        raise ValueError("gather_to_root: arrays need a leading dimension (draws)")
+    row_bytes = max(1, itemsize * int(np.prod(shape[1:], dtype=np.int64)))
+    step = max(1, chunk_bytes // row_bytes)
+    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
