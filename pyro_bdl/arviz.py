@@ -17,6 +17,7 @@ scalar; ``var_names`` and ``max_coords_per_var`` keep a reproducible subset, and
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 
@@ -31,6 +32,8 @@ from pyro.poutine.util import site_is_subsample
 import pyro_bdl
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.chains import Chains
+from pyro_bdl.inference.sgmcmc.checkpoint import read_state
+from pyro_bdl.inference.sgmcmc.store import chain_directories, open_tree
 
 __all__ = ["to_arviz"]
 
@@ -63,8 +66,11 @@ def to_arviz(
 
     :param source: a run ``pyro.infer.MCMC`` (with an SGMCMC kernel of pyro_bdl or any
         other), a :class:`~pyro_bdl.inference.sgmcmc.chains.Chains`, a fitted guide
-        (needs ``num_samples``), or a dict of draws shaped ``(chain, draw, *shape)``
-        (``(draw, *shape)`` with ``grouped_by_chain=False``).
+        (needs ``num_samples``), a dict of draws shaped ``(chain, draw, *shape)``
+        (``(draw, *shape)`` with ``grouped_by_chain=False``), or the path of a kernel's
+        ``checkpoint`` directory (or one chain's): its chains' draw stores are opened
+        lazily (dask-backed, merged by chain) with the groups ``posterior`` and
+        ``sample_stats``, so :func:`pyro_bdl.diagnostics.summary` streams them from disk.
     :param int num_samples: draws to take from a guide (stored as chain 0).
     :param callable model: the Pyro model, for ``log_likelihood`` and
         ``posterior_predictive`` (default: the kernel's model).
@@ -84,6 +90,18 @@ def to_arviz(
     :param bool grouped_by_chain: whether a dict source has a leading chain dimension.
     :return: an ``xarray.DataTree``.
     """
+    if isinstance(source, (str, os.PathLike)):
+        return _open_store(
+            source,
+            var_names,
+            {
+                "log_likelihood": log_likelihood,
+                "posterior_predictive": posterior_predictive,
+                "max_coords_per_var": max_coords_per_var is not None,
+                "num_samples": num_samples is not None,
+                "model": model is not None,
+            },
+        )
     model_kwargs = dict(model_kwargs or {})
     samples, stats, attrs, approximation, model = _read_source(
         source, num_samples, model, model_args, model_kwargs, seed, grouped_by_chain
@@ -116,6 +134,11 @@ def to_arviz(
         groups["approximation"] = xr.Dataset(
             {name: (_plain_dims(name, value.shape), value) for name, value in approximation.items()}
         )
+    return _tree(groups, attrs)
+
+
+def _tree(groups: Mapping[str, xr.Dataset], attrs: Mapping) -> xr.DataTree:
+    """The DataTree of ``groups``, every group carrying the run's attributes."""
     tree = xr.DataTree.from_dict(groups)
     tree.attrs.update(
         _netcdf_attrs(
@@ -129,6 +152,47 @@ def to_arviz(
     for group in groups:
         tree[group].attrs.update(tree.attrs)
     return tree
+
+
+# -- a checkpoint's draw stores, opened lazily ------------------------------------------
+
+
+def _open_store(path, var_names: Sequence[str] | None, unsupported: Mapping[str, bool]):
+    """The stored chains under a checkpoint directory as a dask-backed DataTree."""
+    asked = [name for name, value in unsupported.items() if value]
+    if asked:
+        raise ValueError(
+            f"to_arviz(path): {asked} need the draws in memory; a store is opened lazily "
+            "with its posterior and sample_stats only (load a subset and pass the dict)"
+        )
+    # A chain's saved state says how many of its written draws are final (a run killed
+    # between writing draws and its state leaves a few more); without one, take them all.
+    states = {
+        directory: read_state(directory / "state.safetensors")[1]
+        for directory in chain_directories(path)
+        if (directory / "state.safetensors").exists()
+    }
+    stored = open_tree(path, {d: state["num_draws"] for d, state in states.items()})
+    posterior = stored["posterior"].to_dataset()
+    if var_names is not None:
+        unknown = sorted(set(var_names) - set(posterior.data_vars))
+        if unknown:
+            raise ValueError(
+                f"var_names: {unknown} are not sites of the draws {sorted(posterior.data_vars)}"
+            )
+        posterior = posterior[list(var_names)]
+    stats = stored["sample_stats"].to_dataset()
+    for key, name in _STAT_NAMES.items():
+        if key in stats:  # ArviZ's lp is the log density, the negated potential energy
+            stats = stats.rename({key: name})
+            stats[name] = -stats[name]
+    settings = next(iter(states.values()), {}).get("settings", {})
+    attrs = {
+        **{key: value for key, value in settings.items() if key != "sites"},
+        "num_chains": posterior.sizes["chain"],
+        "num_samples": posterior.sizes["draw"],
+    }
+    return _tree({"posterior": posterior, "sample_stats": stats}, attrs)
 
 
 # -- reading the source -----------------------------------------------------------------

@@ -24,6 +24,7 @@ coordinates in under half a minute on two cores (``benchmarks/diagnostics.py``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from collections.abc import Sequence
@@ -55,6 +56,8 @@ __all__ = [
 DEFAULT_CHUNK_SIZE = 1024
 #: Chunks processed in parallel; numpy and scipy.fft release the GIL, so threads scale.
 DEFAULT_NUM_THREADS = min(8, os.cpu_count() or 1)
+#: Memory one block of a variable stored on disk may take while ``summary`` streams it.
+STREAM_BLOCK_BYTES = 64 * 2**20
 _MIN_DRAWS = 4
 _MIN_CHAINS_RHAT = 2
 _BLOM_OFFSET = 3 / 8
@@ -234,7 +237,10 @@ def summary(
 
     The scalable counterpart of ``arviz_stats.summary(idata, kind="all")`` restricted to
     ``mean``, ``sd`` (``ddof=0``), ``ess_bulk``, ``ess_tail`` and ``r_hat``, with the same
-    values. Use it on posteriors with millions of weights.
+    values. Use it on posteriors with millions of weights. A posterior opened lazily from
+    disk (``bdl.to_arviz(checkpoint_dir)``, dask-backed) is streamed: one block of
+    coordinates over all chains and draws (at most ``STREAM_BLOCK_BYTES``) is read at a
+    time, so draws larger than memory are summarised in bounded memory.
 
     Example::
 
@@ -588,11 +594,15 @@ def _summarise_variable(
             f"variable {array.name!r} needs 'chain' and 'draw' dimensions, got {array.dims}"
         )
     array = array.transpose("chain", "draw", ...)
-    # Moments go through the chunks too: np.std of a whole float32 posterior would allocate
-    # a float64 copy of it.
-    stats = _diagnose(
-        array.values, tuple(_SUMMARY_STATS), prob, chunk_size=chunk_size, num_threads=num_threads
-    )
+    wanted = tuple(_SUMMARY_STATS)
+    if array.chunks is None:
+        # Moments go through the chunks too: np.std of a whole float32 posterior would
+        # allocate a float64 copy of it.
+        stats = _diagnose(
+            array.values, wanted, prob, chunk_size=chunk_size, num_threads=num_threads
+        )
+    else:
+        stats = _diagnose_streamed(array.data, wanted, prob, chunk_size, num_threads)
     coord_dims = array.dims[2:]
     coords = {dim: array.coords[dim] for dim in coord_dims if dim in array.coords}
     return xr.DataArray(
@@ -600,3 +610,50 @@ def _summarise_variable(
         dims=("summary", *coord_dims),
         coords={"summary": list(_SUMMARY_STATS.values()), **coords},
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming a variable stored on disk (a dask-backed DataArray, e.g. ``bdl.to_arviz(path)``)
+
+
+def _diagnose_streamed(
+    data, wanted: Sequence[str], prob, chunk_size: int, num_threads: int
+) -> np.ndarray:
+    """:func:`_diagnose` of a dask array ``(chain, draw, *coords)``, a block of coordinates
+    (all chains and draws) at a time, so memory stays at ``STREAM_BLOCK_BYTES`` plus the
+    result, however large the posterior."""
+    num_chains, num_draws, *coord_shape = data.shape
+    out = np.empty((len(wanted), *coord_shape))
+    entries = max(1, STREAM_BLOCK_BYTES // (num_chains * num_draws * data.dtype.itemsize))
+    for block in _coordinate_blocks(coord_shape, [c[0] for c in data.chunks[2:]], entries):
+        values = np.asarray(data[(slice(None), slice(None), *block)])
+        out[(slice(None), *block)] = _diagnose(
+            values, wanted, prob, chunk_size=chunk_size, num_threads=num_threads
+        )
+    return out
+
+
+def _coordinate_blocks(
+    shape: Sequence[int], chunks: Sequence[int], entries: int
+) -> list[tuple[slice, ...]]:
+    """Index blocks covering ``shape``, each of at most ``entries`` coordinates (or one
+    index of every axis), cut at multiples of the stored ``chunks`` where they fit.
+
+    Trailing axes are taken whole while they fit; the first that does not is stepped by
+    the largest multiple of its chunk that fits, and the axes before it one index at a time.
+    """
+    steps = list(shape)
+    budget = entries
+    for axis in reversed(range(len(shape))):
+        if shape[axis] <= budget:
+            budget //= max(1, shape[axis])
+            continue
+        aligned = budget // chunks[axis] * chunks[axis]
+        steps[axis] = max(1, aligned or budget)
+        steps[:axis] = [1] * axis
+        break
+    ranges = [
+        [slice(start, min(start + step, size)) for start in range(0, size, step)] or [slice(0, 0)]
+        for size, step in zip(shape, steps)
+    ]
+    return list(itertools.product(*ranges))

@@ -202,3 +202,42 @@ def test_summary_of_too_few_draws_keeps_the_moments():
     np.testing.assert_allclose(result.sel(summary="mean"), samples.mean(axis=(0, 1)))
     np.testing.assert_allclose(result.sel(summary="sd"), samples.std(axis=(0, 1)))
     assert np.isnan(result.sel(summary=["ess_bulk", "ess_tail", "r_hat"])).all()
+
+
+def test_summary_streams_a_dask_backed_posterior_block_by_block(monkeypatch):
+    pytest.importorskip("dask")
+    rng = np.random.default_rng(3)
+    posterior = xr.Dataset(
+        {
+            "w": (("chain", "draw", "i", "j"), rng.normal(size=(4, 30, 9, 7)).astype(np.float32)),
+            "s": (("chain", "draw"), rng.normal(size=(4, 30))),
+        }
+    )
+    in_memory = diagnostics.summary(posterior)
+    lazy = posterior.chunk({"chain": 1, "draw": 10, "i": 2})
+    # 4 x 30 float32 draws of 16 coordinates per block: w in blocks of 2 rows of 7 (aligned
+    # to the stored chunks of 2 rows), s in one block
+    monkeypatch.setattr(diagnostics, "STREAM_BLOCK_BYTES", 4 * 30 * 4 * 16)
+    read = []
+    original = diagnostics._diagnose
+
+    def spy(values, *args, **kwargs):
+        read.append(np.shape(values))
+        return original(values, *args, **kwargs)
+
+    monkeypatch.setattr(diagnostics, "_diagnose", spy)
+    streamed = diagnostics.summary(lazy)
+    xr.testing.assert_allclose(streamed, in_memory, rtol=RTOL)
+    assert read == [(4, 30, 2, 7)] * 4 + [(4, 30, 1, 7), (4, 30)]
+
+
+@pytest.mark.parametrize(
+    "shape, chunks, entries",
+    [((9, 7), (2, 7), 16), ((9, 7), (2, 7), 3), ((5,), (5,), 100), ((), (), 1), ((3, 4, 5), (1, 2, 5), 11)],
+)
+def test_coordinate_blocks_cover_every_coordinate_once(shape, chunks, entries):
+    seen = np.zeros(shape, dtype=int)
+    for block in diagnostics._coordinate_blocks(shape, chunks, entries):
+        seen[block] += 1
+        assert seen[block].size <= max(entries, shape[-1] if shape else 1)
+    assert (seen == 1).all()
