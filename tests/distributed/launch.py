@@ -1,0 +1,50 @@
+"""Run a function on W real processes joined by a gloo process group, as torchrun would."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pyro_bdl import distributed
+
+
+def run_ranks(fn: Callable, *args, world_size: int = 2) -> None:
+    """Call ``fn(rank, *args)`` in ``world_size`` forked processes with torchrun's variables.
+
+    Forked, not spawned: the children need not import torch and pyro again (seconds each).
+    Raises ``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``
+    if a rank fails; the others are then terminated.
+    """
+    port = _free_port()
+    mp.start_processes(
+        _entry,
+        args=(fn, world_size, port, args),
+        nprocs=world_size,
+        join=True,
+        start_method="fork",
+    )
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    distributed.init_process_group("gloo", timeout_s=60)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
