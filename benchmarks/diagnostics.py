@@ -204,8 +204,10 @@ def measure_store(args: argparse.Namespace) -> None:
             f"{result['max_relative_difference']:.1e}"
         )
         eager = run_child(args, root, "eager")
-        outcome = "fails (MemoryError)" if "MemoryError" in eager.stderr else (
-            f"exit code {eager.returncode}"
+        outcome = (
+            "fails (MemoryError)"
+            if "MemoryError" in eager.stderr
+            else (f"exit code {eager.returncode}")
         )
         print(f"loading the same draws eagerly under the cap: {outcome}")
 

@@ -109,7 +109,8 @@ def main() -> None:
     )
     ensemble.run(loader, len(train))
     if rank == 0:
-        print(f"deep ensemble of {args.num_chains}: test accuracy {accuracy(ensemble.get_samples()):.3f}")
+        members = ensemble.get_samples()
+        print(f"deep ensemble of {args.num_chains}: test accuracy {accuracy(members):.3f}")
 
 
 if __name__ == "__main__":

@@ -32,11 +32,16 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import numpy as np
+import pyro
+import pyro.optim
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DataParallelOptim",
     "all_reduce_",
+    "average_gradients_",
+    "average_gradients_at_each_step",
     "broadcast_",
     "device",
     "gather_to_root",
@@ -46,6 +51,7 @@ __all__ = [
     "local_rank",
     "rank",
     "shared_seed",
+    "sum_across_ranks",
     "world_size",
 ]
 
@@ -155,6 +161,84 @@ def shared_seed(seed: int | None = None) -> int:
     return int(value)
 
 
+def sum_across_ranks(*values: float | torch.Tensor) -> tuple:
+    """``values`` (numbers or tensors) summed over the ranks; numbers come back as floats."""
+    if not is_distributed():
+        return values
+    tensors = [torch.as_tensor(v, dtype=torch.float64).detach().clone() for v in values]
+    all_reduce_(tensors)
+    return tuple(t.to(v) if torch.is_tensor(v) else float(t) for t, v in zip(tensors, values))
+
+
+# -- data parallelism: one way to average gradients ---------------------------------------
+#
+# Each rank's minibatch log joint is scaled N / B_local, an unbiased estimate of the full
+# data's; their average over W ranks is the estimate of the global batch of W * B_local
+# examples, exactly what one process computes with that batch. Every fit averages its
+# gradients right before its update, in an order fixed across ranks (by parameter name, or
+# the optimiser's own list), bucketed by dtype and device.
+
+
+def average_gradients_(params: Sequence[torch.Tensor]) -> None:
+    """Average the ``.grad`` of ``params`` across ranks, in place (a missing one counts as 0).
+
+    :param params: leaf tensors, in the same order on every rank.
+    """
+    if not is_distributed():
+        return
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    all_reduce_([param.grad for param in params], op="mean")
+
+
+def average_gradients_at_each_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.step()`` first average its parameters' gradients across ranks.
+
+    A step pre-hook, registered once; without a process group it does nothing. Returns the
+    optimiser.
+    """
+    if is_distributed() and not getattr(optimizer, "_pyro_bdl_averaged", False):
+
+        def average(optimizer, args, kwargs):
+            average_gradients_([p for group in optimizer.param_groups for p in group["params"]])
+
+        optimizer.register_step_pre_hook(average)
+        optimizer._pyro_bdl_averaged = True
+    return optimizer
+
+
+class DataParallelOptim(pyro.optim.PyroOptim):
+    """A ``pyro.optim`` optimiser that averages its parameters' gradients across ranks.
+
+    What ``pyro.optim.HorovodOptimizer`` does for Horovod, on ``torch.distributed``: at
+    each ``SVI.step`` the parameters' gradients are averaged (in the order of their names,
+    the same on every rank), then the wrapped optimiser steps. pyro_bdl's fits
+    (``fit_map``, ``LaplaceGuide.fit``, the baselines) wrap their optimiser in it; wrap
+    yours for an SVI loop of your own. Without a process group it is the wrapped optimiser.
+
+    Example::
+
+        optim = bdl.distributed.DataParallelOptim(pyro.optim.Adam({"lr": 1e-3}))
+        svi = SVI(model, MeanFieldGuide(model), optim, TraceMeanField_ELBO())
+
+    :param pyro.optim.PyroOptim pyro_optim: the optimiser to wrap.
+    """
+
+    def __init__(self, pyro_optim: pyro.optim.PyroOptim):
+        if isinstance(pyro_optim, DataParallelOptim):
+            pyro_optim = pyro_optim.wrapped
+        self.wrapped = pyro_optim
+        super().__init__(
+            pyro_optim.pt_optim_constructor, pyro_optim.pt_optim_args, pyro_optim.pt_clip_args
+        )
+
+    def __call__(self, params, *args, **kwargs) -> None:
+        params = sorted(params, key=pyro.get_param_store().param_name)
+        average_gradients_(params)
+        super().__call__(params, *args, **kwargs)
+
+
 def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
@@ -242,7 +326,11 @@ def _cpu_tensor(value) -> torch.Tensor:
 def _header(item: Item) -> dict:
     header = {}
     for name, value in item.items():
-        dtype = value.dtype if torch.is_tensor(value) else torch.from_numpy(np.empty(0, value.dtype)).dtype
+        dtype = (
+            value.dtype
+            if torch.is_tensor(value)
+            else torch.from_numpy(np.empty(0, value.dtype)).dtype
+        )
         header[name] = [list(value.shape), str(dtype).removeprefix("torch.")]
     return header
 
@@ -251,7 +339,7 @@ def _send_item(item: Item, group, chunk_bytes: int) -> None:
     encoded = json.dumps(_header(item)).encode()
     dist.send(torch.tensor([len(encoded)], dtype=torch.int64), 0, group=group)
     dist.send(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), 0, group=group)
-    for name, value in item.items():
+    for value in item.values():
         for start, stop in _slices(value.shape, _itemsize(value), chunk_bytes):
             dist.send(_cpu_tensor(value[start:stop]).contiguous(), 0, group=group)
 

@@ -233,7 +233,13 @@ def test_summary_streams_a_dask_backed_posterior_block_by_block(monkeypatch):
 
 @pytest.mark.parametrize(
     "shape, chunks, entries",
-    [((9, 7), (2, 7), 16), ((9, 7), (2, 7), 3), ((5,), (5,), 100), ((), (), 1), ((3, 4, 5), (1, 2, 5), 11)],
+    [
+        ((9, 7), (2, 7), 16),
+        ((9, 7), (2, 7), 3),
+        ((5,), (5,), 100),
+        ((), (), 1),
+        ((3, 4, 5), (1, 2, 5), 11),
+    ],
 )
 def test_coordinate_blocks_cover_every_coordinate_once(shape, chunks, entries):
     seen = np.zeros(shape, dtype=int)

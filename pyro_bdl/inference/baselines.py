@@ -40,7 +40,7 @@ from pyro import poutine
 from pyro.infer import SVI, TraceMeanField_ELBO
 from tqdm.auto import trange
 
-from pyro_bdl import _checks
+from pyro_bdl import _checks, distributed
 from pyro_bdl.inference.map import fit_map
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.vi import BLoBGuide, IVONGuide, MeanFieldGuide, fit_blob, fit_ivon
@@ -291,7 +291,7 @@ def bbb(
     guide = MeanFieldGuide(model, init_scale=init_scale, scale_parametrization="softplus")
     _forget_params(type(guide).__name__ + ".")
     optimizer = pyro.optim.AdamW({"lr": lr, "eps": _ADAM_EPS, "weight_decay": 0.0})
-    svi = SVI(model, guide, optimizer, TraceMeanField_ELBO())
+    svi = SVI(model, guide, distributed.DataParallelOptim(optimizer), TraceMeanField_ELBO())
     batches = Minibatches(args, kwargs)
     bar = trange(num_steps, desc="BBB", disable=not progress, leave=False)
     with _prior(net, prior_std):

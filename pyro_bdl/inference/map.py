@@ -17,6 +17,7 @@ from pyro.infer.autoguide import AutoDelta
 from pyro.poutine.messenger import Messenger
 from tqdm.auto import trange
 
+from pyro_bdl import distributed
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.lift import init_to_module
 
@@ -78,7 +79,10 @@ def fit_map(
     first_args, first_kwargs = batches.peek()
     with torch.no_grad():
         guide(*first_args, **first_kwargs)
-    svi = SVI(fitted_model, guide, optimizer or pyro.optim.Adam({"lr": 1e-3}), Trace_ELBO())
+    # data-parallel (torchrun): rank 0's start, gradients averaged at every step
+    distributed.broadcast_([value for _, value in sorted(guide.named_parameters())])
+    optimizer = distributed.DataParallelOptim(optimizer or pyro.optim.Adam({"lr": 1e-3}))
+    svi = SVI(fitted_model, guide, optimizer, Trace_ELBO())
     bar = trange(num_steps, desc="MLE" if mle else "MAP", disable=not progress, leave=False)
     for _ in bar:
         step_args, step_kwargs = batches.next()

@@ -45,7 +45,9 @@ def _problem(calls=None):
 
 def _chains(model, **kernel_options):
     kernel = SGHMC(model, step_size=1e-2, **kernel_options)
-    return Chains(kernel, num_samples=4, warmup_steps=3, num_chains=NUM_CHAINS, seed=7, disable_progbar=True)
+    return Chains(
+        kernel, num_samples=4, warmup_steps=3, num_chains=NUM_CHAINS, seed=7, disable_progbar=True
+    )
 
 
 def _gather_and_save(rank, out):

@@ -28,6 +28,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from tqdm.auto import tqdm
 
+from pyro_bdl import distributed
 from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
 from pyro_bdl.inference.laplace.jacobians import ModelJacobians
@@ -222,6 +223,9 @@ class LaplaceGuide(AutoGuide):
             curvature.update(run.gradients(columns))
             log_likelihood = log_likelihood + observation.log_likelihood().detach()
             seen += observation.num_examples
+        # data-parallel (torchrun): every rank passed over its shard; add the passes up
+        curvature.synchronise()
+        seen, log_likelihood = distributed.sum_across_ranks(seen, log_likelihood)
         # One scaling for every structure: the pass's sums stand for N examples.
         scale = num_data / seen
         self._blocks = curvature.blocks(scale)
@@ -552,6 +556,7 @@ class LaplaceGuide(AutoGuide):
                 probs = probs.mean(0) if link == "mc" else probs
                 picked = probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
                 nll[k] -= picked.clamp(min=torch.finfo(probs.dtype).tiny).log().sum()
+        distributed.all_reduce_([nll])  # data-parallel: every rank's validation shard
         best = grid[int(nll.argmin())]
         return {site: best.clone() for site in self._loc}
 

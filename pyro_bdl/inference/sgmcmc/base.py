@@ -14,6 +14,13 @@ user temperature :math:`T = N \mathcal{T}`). One step:
 The kernels are Pyro :class:`~pyro.infer.mcmc.mcmc_kernel.MCMCKernel`\ s, so
 ``pyro.infer.MCMC`` drives them; warm-up steps, thinning, per-draw sample statistics,
 divergence handling and checkpoints live here once.
+
+Under ``torchrun`` (a process group of W ranks) a kernel that ``pyro.infer.MCMC`` runs is
+data-parallel: every rank starts from rank 0's values, steps on its shard of a
+``DistributedSampler`` DataLoader, and the log joint and its gradient are averaged across
+ranks before the update (each rank's is scaled N / B_local, so their mean is the global
+batch's), and the noise is rank 0's draw: the chain is the one a single process runs with
+the global batch. :class:`~pyro_bdl.inference.Chains` instead runs whole chains per rank.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 from pyro.poutine.util import site_is_subsample
 
+from pyro_bdl import distributed
 from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
@@ -205,6 +213,11 @@ class SGMCMCKernel(MCMCKernel):
             self._initial_params[name].detach().clone().requires_grad_(True) for name in self._sites
         ]
         self._params = dict(zip(self._sites, self._theta))
+        # Under torchrun, outside Chains, every rank steps the same chain on its shard of
+        # the data: rank 0's start, averaged gradients, rank 0's noise.
+        self._data_parallel = self._chain_id is None and distributed.is_distributed()
+        if self._data_parallel:
+            distributed.broadcast_(self._theta)
         self._initial_params_given = False
         self._returned = self._initial_params
         self._noise_buffers = None
@@ -314,7 +327,10 @@ class SGMCMCKernel(MCMCKernel):
             for (name, z), g in zip(self._params.items(), grads)
         }
         log_joint.add_prior_scores(grads)
-        return total.detach(), list(grads.values())
+        total, grads = total.detach(), list(grads.values())
+        if self._data_parallel:
+            distributed.all_reduce_([total, *grads], op="mean")  # the global batch's
+        return total, grads
 
     def standard_normal(self) -> list[torch.Tensor]:
         """Fresh N(0, I) noise shaped like the parameters, in reused buffers."""
@@ -322,6 +338,8 @@ class SGMCMCKernel(MCMCKernel):
             self._noise_buffers = [torch.empty_like(t) for t in self._theta]
         for buffer in self._noise_buffers:
             buffer.normal_()
+        if self._data_parallel:
+            distributed.broadcast_(self._noise_buffers)  # one draw, rank 0's, for every rank
         return self._noise_buffers
 
     # -- draws, statistics, divergence -----------------------------------------------

@@ -180,7 +180,10 @@ class Chains:
                 for name, value in item.items()
                 if name.startswith(_STATS)
             }
-            self._chains[chain] = (draws, {**self._chains.get(chain, ({}, {}))[1], "sample_stats": stats})
+            self._chains[chain] = (
+                draws,
+                {**self._chains.get(chain, ({}, {}))[1], "sample_stats": stats},
+            )
 
     def get_samples(self, num_samples: int | None = None, group_by_chain: bool = False):
         """Draws of every chain this process holds, as ``MCMC.get_samples`` returns them.

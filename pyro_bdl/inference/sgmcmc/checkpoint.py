@@ -22,6 +22,9 @@ recomputed) and continues from the saved state; draws kept after the last saved 
 recomputed. The DataLoader order after a resume is a fresh shuffle, so a resumed chain is a
 valid continuation rather than a bit-identical one.
 
+A data-parallel chain (``MCMC`` under torchrun) is written by rank 0 and resumed by every
+rank from the same directory, which must then be on a shared file system.
+
 The chain resumes on the device its parameters are on now (the saved tensors are read to
 the CPU and copied in: ``map_location`` in effect); the RNG state of that device is
 restored when it was saved from the same kind of device.
@@ -96,11 +99,15 @@ class Checkpoint:
                 "loaded because unpickling can run arbitrary code. Start a new checkpoint "
                 "directory"
             )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # A data-parallel chain is one chain on every rank: rank 0 writes it, and every
+        # rank resumes from the same directory (a shared file system).
+        self._writer = not self.kernel._data_parallel or distributed.rank() == 0
+        if self._writer:
+            self.directory.mkdir(parents=True, exist_ok=True)
         self._draws = DrawStore(self.directory / "draws.zarr", self.chain)
         if self.state_path.exists():
             self._restore()
-        else:
+        elif self._writer:
             self._draws.truncate(0)
 
     def _restore(self) -> None:
@@ -161,6 +168,8 @@ class Checkpoint:
 
     def save_draw(self, index: int, draw: dict[str, torch.Tensor], iterations_done: int) -> None:
         """Keep draw ``index``; write the draws and the state if a chunk is full or it is time."""
+        if not self._writer:
+            return
         stats = {key: values[-1] for key, values in self.kernel._stats.items()}
         self._draws.append(draw, stats)
         if self._draws.chunk_is_full or iterations_done % self.kernel.checkpoint_every == 0:
@@ -169,6 +178,8 @@ class Checkpoint:
     def save_state(self, iterations_done: int) -> None:
         """Write the draws waiting in memory, then the chain's state after ``iterations_done``."""
         kernel = self.kernel
+        if not self._writer:
+            return
         self._draws.flush()
         tensors = {f"theta/{name}": theta for name, theta in kernel._params.items()}
         for name, value in kernel._state().items():

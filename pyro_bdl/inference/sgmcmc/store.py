@@ -114,7 +114,8 @@ class DrawStore:
         stop = start + count
         columns = {
             "posterior": {
-                name: np.stack([draw[name] for draw, _ in self._buffer]) for name in self._buffer[0][0]
+                name: np.stack([draw[name] for draw, _ in self._buffer])
+                for name in self._buffer[0][0]
             },
             "sample_stats": {
                 key: np.asarray([stats[key] for _, stats in self._buffer], dtype=np.float64)

@@ -28,6 +28,7 @@ from pyro.poutine.util import site_is_subsample
 from torch.distributions import kl_divergence
 from tqdm.auto import trange
 
+from pyro_bdl import distributed
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.vi.kl_weights import (
     blob_kl_cycle,
@@ -172,7 +173,10 @@ class BLoBSVI:
             weight_decay=self.weight_decay,
         )
         kl_optimizer = torch.optim.SGD([*locs.values(), *scale_params.values()], lr=self.kl_lr)
-        self._optimizers = (likelihood_optimizer, kl_optimizer)
+        # data-parallel (torchrun): both optimisers average their gradients across ranks
+        self._optimizers = tuple(
+            map(distributed.average_gradients_at_each_step, (likelihood_optimizer, kl_optimizer))
+        )
         self._schedulers = [
             torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule)
             for optimizer in self._optimizers

@@ -5,7 +5,6 @@ import json
 import pickle
 
 import numpy
-
 import pyro
 import pyro.infer.mcmc.api
 import pytest

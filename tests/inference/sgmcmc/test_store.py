@@ -60,7 +60,9 @@ def test_names_that_cannot_be_stored_are_refused(tmp_path):
 def test_to_arviz_of_a_checkpoint_opens_every_chain_lazily(tmp_path):
     _, model = _regression()
     kernel = SGLD(model, step_size=1e-3, checkpoint=tmp_path, checkpoint_every=2)
-    chains = Chains(kernel, num_samples=5, warmup_steps=2, num_chains=3, seed=0, disable_progbar=True)
+    chains = Chains(
+        kernel, num_samples=5, warmup_steps=2, num_chains=3, seed=0, disable_progbar=True
+    )
     chains.run(_loader(), NUM_DATA)
     stored = bdl.to_arviz(tmp_path)
     in_memory = bdl.to_arviz(chains)

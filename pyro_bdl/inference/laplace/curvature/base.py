@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from pyro_bdl import distributed
 from pyro_bdl.inference.laplace.jacobians import SiteGradient
 from pyro_bdl.inference.laplace.observation import FISHERS
 
@@ -110,6 +111,18 @@ class Curvature:
     def blocks(self, scale: float) -> list[GaussianBlock]:
         """The accumulated curvature times ``scale`` (:math:`N / n_\\text{seen}`)."""
         raise NotImplementedError
+
+    def accumulators(self) -> list[torch.Tensor]:
+        """The tensors the pass has summed over examples (a structure's running sums)."""
+        raise NotImplementedError
+
+    def synchronise(self) -> None:
+        """Add up the passes of every rank of a data-parallel fit (torch.distributed).
+
+        Every accumulator is a sum over examples, so the ranks' sums add up to the sums over
+        the global batch; a no-op in a single process.
+        """
+        distributed.all_reduce_(self.accumulators())
 
     def hyperparameters(self) -> dict:
         """The structure's settings, JSON-serialisable."""

@@ -76,3 +76,6 @@ class Diagonal(Curvature):
 
     def blocks(self, scale):
         return [DiagonalBlock(site, total * scale) for site, total in self.sums.items()]
+
+    def accumulators(self):
+        return list(self.sums.values())

@@ -127,5 +127,8 @@ class Full(Curvature):
         shapes = {site: value.shape for site, value in self.values.items()}
         return [FullBlock(shapes, self.sum * scale)]
 
+    def accumulators(self):
+        return [self.sum]
+
     def hyperparameters(self):
         return {**super().hyperparameters(), "max_params": self.max_params}

@@ -55,6 +55,7 @@ import math
 
 import torch
 
+from pyro_bdl import distributed
 from pyro_bdl.inference.laplace.curvature.base import Curvature, Delta, GaussianBlock
 from pyro_bdl.inference.laplace.curvature.diagonal import DiagonalBlock
 from pyro_bdl.inference.laplace.jacobians import LinearGradient
@@ -186,6 +187,9 @@ class _DenseFactor:
     def numel(self) -> int:
         return self.sum.numel()
 
+    def accumulators(self) -> list[torch.Tensor]:
+        return [self.sum]
+
 
 class Kron(Curvature):
     """K-FAC per linear weight, a diagonal for every other site.
@@ -255,3 +259,16 @@ class Kron(Curvature):
     def memory(self) -> dict[str, int]:
         """Numbers held per factored site during accumulation (inputs + outputs factor)."""
         return {site: a.numel() + b.numel() for site, (a, b) in self.factors.items()}
+
+    def accumulators(self):
+        factors = [factor for pair in self.factors.values() for factor in pair]
+        return [t for factor in factors for t in factor.accumulators()] + [
+            total for total in self.diagonals.values() if torch.is_tensor(total)
+        ]
+
+    def synchronise(self):
+        # the positions each layer saw are a count over examples too
+        sites = list(self.rows)
+        rows = torch.tensor([float(self.rows[site]) for site in sites], dtype=torch.float64)
+        distributed.all_reduce_([*self.accumulators(), rows])
+        self.rows = {site: round(count) for site, count in zip(sites, rows.tolist())}

@@ -54,6 +54,12 @@ class _LowRankFactor:
     def numel(self) -> int:
         return 0 if self.basis is None else self.basis.numel() + self.values.numel()
 
+    def accumulators(self) -> list[torch.Tensor]:
+        raise NotImplementedError(
+            "kron_lowrank keeps its wide factors by incremental SVD, which is not a sum over "
+            "examples and so cannot be added up across ranks; fit data-parallel with 'kron'"
+        )
+
 
 class KronLowRank(Kron):
     """K-FAC with every factor wider than ``rank`` kept at rank ``rank``.
