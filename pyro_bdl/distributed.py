@@ -134,11 +134,11 @@ def all_reduce_(tensors: Sequence[torch.Tensor], op: str = "sum") -> None:
     if not is_distributed():
         return
     for bucket in _buckets(tensors):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         dist.all_reduce(flat)
         if op == "mean":
             flat /= dist.get_world_size()
-        torch._foreach_copy_(bucket, [v.view_as(t) for v, t in zip(_split(flat, bucket), bucket)])
+        _copy_back(flat, bucket)
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
@@ -146,9 +146,9 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
     if not is_distributed():
         return
     for bucket in _buckets(tensors):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         dist.broadcast(flat, src)
-        torch._foreach_copy_(bucket, [v.view_as(t) for v, t in zip(_split(flat, bucket), bucket)])
+        _copy_back(flat, bucket)
 
 
 def shared_seed(seed: int | None = None) -> int:
@@ -246,8 +246,11 @@ def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return flat.split([t.numel() for t in like])
+def _copy_back(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    """Copy the pieces of ``flat`` into ``bucket``'s tensors (leaves requiring grad too)."""
+    pieces = flat.split([t.numel() for t in bucket])
+    with torch.no_grad():
+        torch._foreach_copy_(bucket, [piece.view_as(t) for piece, t in zip(pieces, bucket)])
 
 
 def _cpu_group_for_collectives():
