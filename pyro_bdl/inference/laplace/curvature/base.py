@@ -122,7 +122,8 @@ class Curvature:
         Every accumulator is a sum over examples, so the ranks' sums add up to the sums over
         the global batch; a no-op in a single process.
         """
-        distributed.all_reduce_(self.accumulators())
+        if distributed.is_distributed():
+            distributed.all_reduce_(self.accumulators())
 
     def hyperparameters(self) -> dict:
         """The structure's settings, JSON-serialisable."""

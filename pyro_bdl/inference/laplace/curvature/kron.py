@@ -267,6 +267,8 @@ class Kron(Curvature):
         ]
 
     def synchronise(self):
+        if not distributed.is_distributed():
+            return
         # the positions each layer saw are a count over examples too
         sites = list(self.rows)
         rows = torch.tensor([float(self.rows[site]) for site in sites], dtype=torch.float64)
