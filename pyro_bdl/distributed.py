@@ -15,6 +15,11 @@ PyTorchJob) starts one process per device and sets ``RANK``, ``WORLD_SIZE`` and
 Without a process group (a plain ``python script.py``) every function is the identity
 of a world of one process, so the same code runs both ways.
 
+FSDP: the weights pyro_bdl samples or fits are replicated (their gradients averaged here);
+a frozen base too large for one device may be sharded with FSDP2's ``fully_shard`` on the
+base's modules, never on a module holding random or point sites (their tensors are
+substituted whole by ``torch.func.functional_call``).
+
 Example::
 
     import pyro_bdl as bdl
