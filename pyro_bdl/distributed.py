@@ -275,24 +275,23 @@ def _cpu_group_for_collectives():
 
 # -- gathering kept draws ---------------------------------------------------------------
 
-Item = Mapping[str, object]  # name -> torch.Tensor or array-like (numpy, zarr) of shape (n, ...)
+Item = Mapping[str, torch.Tensor]  # name -> tensor of shape (n, ...), n draws
 
 
 def gather_to_root(
     items: Mapping[int, Item],
     num_items: int,
     owner: Callable[[int], int] | None = None,
-    chunk_bytes: int = GATHER_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> list[dict[str, torch.Tensor]] | None:
     """Bring every rank's items (chains, ensemble members) to rank 0, in item order.
 
-    Item ``i`` lives on rank ``owner(i)`` (default ``i mod W``) as a dict of arrays that
-    share a leading dimension (draws): torch tensors on any device, or array-likes such as
-    the zarr arrays of a chain's store, read a slice at a time. Each owner sends a small
-    JSON header (names, shapes, dtypes; never a pickle) and then the arrays in slices of at
-    most ``chunk_bytes`` along the leading dimension, as CPU tensors; rank 0 receives each
-    slice in place into the result, so no rank holds more than one chunk in flight beyond
-    its own items and rank 0's result.
+    Item ``i`` lives on rank ``owner(i)`` (default ``i mod W``) as a dict of tensors (on any
+    device) that share a leading dimension (draws). Each owner sends a small JSON header
+    (names, shapes, dtypes; never a pickle) and then the tensors in slices of at most
+    ``chunk_bytes`` along the leading dimension, copied to the CPU a slice at a time; rank
+    0 receives each slice in place into the result, so no rank holds more than one chunk
+    in flight beyond its own items and rank 0's result.
 
     Example::
 
@@ -303,11 +302,12 @@ def gather_to_root(
     :param dict items: this rank's items, item index -> dict of arrays.
     :param int num_items: the number of items on all ranks together.
     :param owner: item index -> rank that holds it.
-    :param int chunk_bytes: the most bytes of one message.
+    :param int chunk_bytes: the most bytes of one message (default ``GATHER_CHUNK_BYTES``).
     :return: on rank 0 the list of all items as dicts of CPU tensors; None on other ranks.
         Without a process group, the items as CPU tensors.
     """
     owner = owner or (lambda i: i % world_size())
+    chunk_bytes = chunk_bytes or GATHER_CHUNK_BYTES
     me = rank()
     group = _cpu_group_for_collectives() if is_distributed() else None
     gathered = [] if me == 0 else None
@@ -317,7 +317,7 @@ def gather_to_root(
             if index not in items:
                 raise KeyError(f"gather_to_root: item {index} belongs to this rank but is missing")
             if me == 0:
-                gathered.append({name: _cpu_tensor(value) for name, value in items[index].items()})
+                gathered.append({k: v.detach().cpu() for k, v in items[index].items()})
             else:
                 _send_item(items[index], group, chunk_bytes)
         elif me == 0:
@@ -325,22 +325,11 @@ def gather_to_root(
     return gathered
 
 
-def _cpu_tensor(value) -> torch.Tensor:
-    if torch.is_tensor(value):
-        return value.detach().cpu()
-    return torch.from_numpy(np.ascontiguousarray(value[...]))
-
-
 def _header(item: Item) -> dict:
-    header = {}
-    for name, value in item.items():
-        dtype = (
-            value.dtype
-            if torch.is_tensor(value)
-            else torch.from_numpy(np.empty(0, value.dtype)).dtype
-        )
-        header[name] = [list(value.shape), str(dtype).removeprefix("torch.")]
-    return header
+    return {
+        name: [list(value.shape), str(value.dtype).removeprefix("torch.")]
+        for name, value in item.items()
+    }
 
 
 def _send_item(item: Item, group, chunk_bytes: int) -> None:
@@ -348,8 +337,8 @@ def _send_item(item: Item, group, chunk_bytes: int) -> None:
     dist.send(torch.tensor([len(encoded)], dtype=torch.int64), 0, group=group)
     dist.send(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), 0, group=group)
     for value in item.values():
-        for start, stop in _slices(value.shape, _itemsize(value), chunk_bytes):
-            dist.send(_cpu_tensor(value[start:stop]).contiguous(), 0, group=group)
+        for start, stop in _slices(value.shape, value.element_size(), chunk_bytes):
+            dist.send(value[start:stop].detach().cpu().contiguous(), 0, group=group)
 
 
 def _receive_item(source: int, group, chunk_bytes: int) -> dict[str, torch.Tensor]:
@@ -365,10 +354,6 @@ def _receive_item(source: int, group, chunk_bytes: int) -> dict[str, torch.Tenso
             dist.recv(value[start:stop], source, group=group)
         item[name] = value
     return item
-
-
-def _itemsize(value) -> int:
-    return value.element_size() if torch.is_tensor(value) else np.dtype(value.dtype).itemsize
 
 
 def _slices(shape: Sequence[int], itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:

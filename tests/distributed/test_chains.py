@@ -62,7 +62,11 @@ def _gather_and_save(rank, out):
         bdl.to_arviz(chains).to_netcdf(os.path.join(out, "tree.nc"))
 
 
-def test_chains_are_split_over_ranks_and_gathered_in_order_equal_to_one_process(tmp_path):
+def test_chains_are_split_over_ranks_and_gathered_in_order_equal_to_one_process(
+    tmp_path, monkeypatch
+):
+    # one draw of one site per message (a weight draw is 24 bytes): chunk by chunk
+    monkeypatch.setattr(bdl.distributed, "GATHER_CHUNK_BYTES", 24)
     run_ranks(_gather_and_save, str(tmp_path))
     model, loader, _ = _problem()
     single = _chains(model)

@@ -211,25 +211,9 @@ class DrawStore:
                 result.setdefault(key, []).append(value)
         return result
 
-    def arrays(self) -> dict[str, zarr.Array]:
-        """The written draws, site -> zarr array ``(num_written, *shape)`` read lazily."""
-        return {name: _DrawAxis(array) for name, array in self._arrays("posterior").items()}
-
     def _arrays(self, group: str) -> dict[str, zarr.Array]:
         node = self._group[group]
         return {name: array for name, array in node.arrays() if name not in _RESERVED}
-
-
-class _DrawAxis:
-    """A zarr array ``(1, draw, *shape)`` seen as ``(draw, *shape)`` for slicing."""
-
-    def __init__(self, array: zarr.Array):
-        self.array = array
-        self.shape = array.shape[1:]
-        self.dtype = array.dtype
-
-    def __getitem__(self, index):
-        return self.array[(0, index)]
 
 
 def _draws_per_chunk(draw: Mapping[str, np.ndarray], buffer_bytes: int) -> int:

@@ -26,7 +26,7 @@ def test_draws_wait_for_a_full_chunk_then_go_to_disk_in_one_piece(tmp_path):
         if store.chunk_is_full:
             store.flush()
     assert (store.num_written, len(store), store.draws_per_chunk) == (4, 6, 4)
-    array = store.arrays()["w"].array
+    array = store._arrays("posterior")["w"]
     assert array.shards[:2] == (1, 4) and array.dtype == np.float32
     got = store.read(2, 6)  # two draws from disk, two from memory
     assert torch.equal(got["w"], torch.stack([_draw(i)["w"] for i in range(2, 6)]))
