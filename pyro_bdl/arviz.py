@@ -134,6 +134,11 @@ def to_arviz(
         groups["approximation"] = xr.Dataset(
             {name: (_plain_dims(name, value.shape), value) for name, value in approximation.items()}
         )
+    if isinstance(source, Chains):  # on a torchrun rank other than 0: some chains only
+        groups = {
+            name: group.assign_coords(chain=source.chain_ids) if "chain" in group.dims else group
+            for name, group in groups.items()
+        }
     return _tree(groups, attrs)
 
 

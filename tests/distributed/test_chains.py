@@ -55,8 +55,16 @@ def _gather_and_save(rank, out):
     chains = _chains(model)
     chains.run(loader, NUM_DATA)
     samples = chains.get_samples(group_by_chain=True)
+    labels = bdl.to_arviz(chains)["posterior"]["chain"].values.tolist()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"chain_ids": chains.chain_ids, "shape": list(samples["weight"].shape)}, f)
+        json.dump(
+            {
+                "chain_ids": chains.chain_ids,
+                "labels": labels,
+                "shape": list(samples["weight"].shape),
+            },
+            f,
+        )
     if rank == 0:
         save_file({k: v.contiguous() for k, v in samples.items()}, os.path.join(out, "samples.st"))
         bdl.to_arviz(chains).to_netcdf(os.path.join(out, "tree.nc"))
@@ -77,8 +85,8 @@ def test_chains_are_split_over_ranks_and_gathered_in_order_equal_to_one_process(
     for name in expected:
         assert torch.equal(gathered[name], expected[name]), name
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert ranks[0]["chain_ids"] == [0, 1, 2]
-    assert ranks[1] == {"chain_ids": [1], "shape": [1, 4, 1, 3]}  # its own chain
+    assert ranks[0]["chain_ids"] == ranks[0]["labels"] == [0, 1, 2]
+    assert ranks[1] == {"chain_ids": [1], "labels": [1], "shape": [1, 4, 1, 3]}  # its own
     tree = xr.open_datatree(tmp_path / "tree.nc", engine="h5netcdf")
     local = bdl.to_arviz(single)
     for group in ("posterior", "sample_stats"):
