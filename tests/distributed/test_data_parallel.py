@@ -14,7 +14,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import pyro_bdl as bdl
-from pyro_bdl.inference import SGHMC, LaplaceGuide, fit_map
+from pyro_bdl.inference import (
+    SGHMC,
+    IVONGuide,
+    LaplaceGuide,
+    MeanFieldGuide,
+    fit_ivon,
+    fit_map,
+)
 from pyro_bdl.inference.laplace.curvature.diagonal import DiagonalBlock
 from pyro_bdl.inference.laplace.curvature.kron import KronBlock
 
@@ -98,6 +105,23 @@ def _fits(distributed: bool) -> dict[str, torch.Tensor]:
         progress=False,
     )
     results.update({f"map.{name}": value for name, value in fitted.items()})
+    model, dataset = _problem()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(5)
+    guide = MeanFieldGuide(model)
+    optim = bdl.distributed.DataParallelOptim(pyro.optim.Adam({"lr": 0.05}))
+    svi = pyro.infer.SVI(model, guide, optim, pyro.infer.TraceMeanField_ELBO())
+    for batch in [b for _ in range(2) for b in _loader(dataset, distributed)][:6]:
+        svi.step(batch, NUM_DATA)
+    results.update({f"mean_field.{k}": v for k, v in guide.approximation_parameters().items()})
+    model, dataset = _problem()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(4)
+    guide = IVONGuide(model)
+    fit_ivon(model, guide, _loader(dataset, distributed), NUM_DATA, num_steps=5, progress=False)
+    results.update(
+        {f"ivon.{key}": value for key, value in guide.approximation_parameters().items()}
+    )
     return {key: value.detach().contiguous() for key, value in results.items()}
 
 
@@ -136,3 +160,9 @@ def test_sghmc_chain_equals_one_process_with_the_global_batch(fits, temperature)
 
 def test_map_fit_equals_one_process(fits):
     _compare(fits, "map.")
+
+
+@pytest.mark.parametrize("method", ["ivon", "mean_field"])
+def test_variational_fit_equals_one_process(fits, method):
+    # IVON's fit; SVI with a MeanFieldGuide and the optimiser wrapped in DataParallelOptim
+    _compare(fits, f"{method}.")

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import trange
 
-from pyro_bdl import _checks
+from pyro_bdl import _checks, distributed
 from pyro_bdl.inference.log_joint import LogJoint
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.vi.ivon import IVONGuide
@@ -121,6 +121,7 @@ class IVONSVI:
             with torch.no_grad():
                 # The draw of ivon-opt: one randn over all weights, in the sites' order.
                 noise = torch.randn(m.shape, dtype=m.dtype, device=m.device).mul_(scale)
+                distributed.broadcast_([noise])  # data-parallel: rank 0's draw everywhere
                 theta = m + noise
             sample_loss = self._loss(theta.requires_grad_(), args, kwargs)
             if sample_loss.requires_grad:  # else the likelihood ignores the weights
@@ -130,6 +131,8 @@ class IVONSVI:
                     noise_grad.addcmul_(noise, sample_grad)
             loss = loss + sample_loss.detach()
         with torch.no_grad():
+            # data-parallel (torchrun): the global batch's gradient and Hessian estimate
+            distributed.all_reduce_([grad, noise_grad], op="mean")
             if self.mc_samples > 1:
                 grad.div_(self.mc_samples)
                 noise_grad.div_(self.mc_samples)
@@ -148,6 +151,7 @@ class IVONSVI:
                 stacklevel=3,
             )
         self.momentum = torch.zeros_like(self.guide.loc.unconstrained())
+        distributed.broadcast_([self.guide.loc.unconstrained(), self.guide.hess.unconstrained()])
 
     def _loss(self, theta: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """:math:`\\bar\\ell(\\theta)`: minus the likelihood (scaled to N) over N."""
