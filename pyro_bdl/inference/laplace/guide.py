@@ -310,7 +310,7 @@ class LaplaceGuide(AutoGuide):
             for name in block.sites:
                 draws[name] = self._loc[name] + root_t * offsets[name]
                 size += noise[name][0].numel()
-                squared = squared + noise[name].square().flatten(1).sum(1)
+                squared = squared + noise[name].square().reshape(num_samples, -1).sum(1)
             log_det = block.log_det(self._prior_precision) - size * math.log(self.temperature)
             log_densities.append(0.5 * (log_det - size * math.log(2 * math.pi) - squared))
         return draws, log_densities

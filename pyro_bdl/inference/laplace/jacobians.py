@@ -79,7 +79,7 @@ class SiteGradient:
         """
         grads = self.per_example()
         weight = weight.expand(grads.shape[2:]).reshape(-1)
-        grads = grads.flatten(2)
+        grads = grads.reshape(*grads.shape[:2], -1)  # a 0-d site's grads are (m, B)
         return torch.einsum("cbp,dbp->bcd", grads * weight, grads)
 
 
@@ -278,6 +278,8 @@ class _RecordCalls(TorchFunctionMode):
         else:
             weight_site = self.sites_by_id.get(id(bound["weight"]))
             kind = "embedding" if func is F.embedding else "linear"
+            if bound["weight"].dim() != 2:  # linear(x, w) with a vector w: no factored form
+                kind = "other"
         bias = bound.get("bias")
         bias_site = None if bias is None else self.sites_by_id.get(id(bias))
         if not (weight_site or bias_site):
@@ -545,10 +547,13 @@ class Linearization:
             _, vjp = torch.func.vjp(output, values)
             return torch.func.vmap(vjp)(example_columns)[0]
 
+        # Predicting without labels, the observed site draws inside the model; its draw is
+        # not the differentiated output, so the same draw for every example is harmless.
+        randomness = "same" if self._output_kind == "return" else "error"
         with pyro.validation_enabled(False):
-            grads = torch.func.vmap(one_example, in_dims=(None, *in_dims, 1))(
-                values, self._args, self._kwargs, columns
-            )
+            grads = torch.func.vmap(
+                one_example, in_dims=(None, *in_dims, 1), randomness=randomness
+            )(values, self._args, self._kwargs, columns)
         return {s: DenseGradient(grads[s].transpose(0, 1)) for s in sites}
 
     def _looped(self, sites, columns):

@@ -38,7 +38,8 @@ class DiagonalBlock(GaussianBlock):
         return {self.site: noise[self.site] * self._precision(delta).rsqrt()}
 
     def quadratic(self, x, delta):
-        return (x[self.site].square() * self._precision(delta)).flatten(1).sum(1)
+        squares = x[self.site].square() * self._precision(delta)
+        return squares.reshape(len(squares), -1).sum(1)  # a 0-d site's x is (S,)
 
     def output_covariance(self, grads, delta):
         return grads[self.site].gram(self._precision(delta).reciprocal())

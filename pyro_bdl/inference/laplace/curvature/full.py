@@ -55,7 +55,7 @@ class FullBlock(GaussianBlock):
     def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         parts = flat.split(self.sizes, -1)
         return {
-            site: part.reshape(*flat.shape[:-1], *shape)
+            site: part.reshape(flat.shape[:-1] + shape)
             for (site, shape), part in zip(self.shapes.items(), parts)
         }
 
@@ -119,7 +119,9 @@ class Full(Curvature):
         self.sum = first.new_zeros(size, size)
 
     def update(self, grads):
-        rows = torch.cat([grads[site].per_example().flatten(2) for site in self.values], -1)
+        # reshape, not flatten(2): a scalar site's gradients are (m, B), with no dim 2
+        per_site = [grads[site].per_example() for site in self.values]
+        rows = torch.cat([g.reshape(*g.shape[:2], -1) for g in per_site], -1)
         rows = rows.reshape(-1, rows.shape[-1])
         self.sum += rows.mT @ rows
 
