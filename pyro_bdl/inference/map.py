@@ -8,7 +8,9 @@ weight decay (``pyro.optim.AdamW``) is ordinary regularised fine-tuning.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import warnings
+from collections.abc import Callable, Mapping
 
 import pyro
 import torch
@@ -18,6 +20,7 @@ from pyro.poutine.messenger import Messenger
 from tqdm.auto import trange
 
 from pyro_bdl import distributed
+from pyro_bdl._checks import function, instance, integer
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.lift import init_to_module
 
@@ -47,6 +50,12 @@ def fit_map(
     DataLoader arguments are replaced by a fresh minibatch at every step, as in the
     SGMCMC kernels. Point weights (``pyro.param`` sites) are trained alongside.
 
+    A fit whose loss is still falling at the end warns: the mean loss of the last fifth
+    of the steps is compared with that of the fifth before it, and a drop of more than
+    three standard errors and more than half a nat (the log joint half a nat below its
+    maximum is one posterior standard deviation from the mode, for a Gaussian posterior)
+    means the returned values are not the optimum.
+
     Example::
 
         theta_map = fit_map(model, train_loader, len(train_set), num_steps=2000,
@@ -68,8 +77,36 @@ def fit_map(
     :param bool progress: show a progress bar.
     :return: the fitted value of every latent site.
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-        raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
+    fitted, losses = minimise(model, args, kwargs, num_steps, optimizer, mle, init_loc_fn, progress)
+    falling = still_falling(losses)
+    if falling is not None:
+        drop, error = falling
+        warnings.warn(
+            f"fit_map: the loss was still falling at the end ({drop:.4g} +- {error:.2g} "
+            f"nats lower over the last {len(losses) // 5} of num_steps={num_steps} steps); "
+            f"the values returned are not the {'maximum likelihood' if mle else 'MAP'}. "
+            f"Raise num_steps, or the learning rate ({_learning_rate(optimizer)})",
+            stacklevel=2,
+        )
+    return fitted
+
+
+def minimise(
+    model: Callable,
+    args: tuple,
+    kwargs: dict,
+    num_steps: int,
+    optimizer: pyro.optim.PyroOptim | None,
+    mle: bool,
+    init_loc_fn: Callable,
+    progress: bool,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The optimisation of :func:`fit_map`, returning the values and every step's loss."""
+    num_steps = integer("num_steps", num_steps, low=0)
+    if optimizer is not None:
+        instance("optimizer", optimizer, pyro.optim.PyroOptim, "a pyro.optim optimiser or None")
+    instance("mle", mle, bool, "True or False")
+    function("init_loc_fn", init_loc_fn, "a Pyro init strategy (site -> value)")
     batches = Minibatches(args, kwargs)
     fitted_model = MaskPriors()(model) if mle else model
     _drop_params()
@@ -81,19 +118,70 @@ def fit_map(
         guide(*first_args, **first_kwargs)
     # data-parallel (torchrun): rank 0's start, gradients averaged at every step
     distributed.broadcast_([value for _, value in sorted(guide.named_parameters())])
-    optimizer = distributed.DataParallelOptim(optimizer or pyro.optim.Adam({"lr": 1e-3}))
-    svi = SVI(fitted_model, guide, optimizer, Trace_ELBO())
+    averaged = distributed.DataParallelOptim(optimizer or pyro.optim.Adam({"lr": 1e-3}))
+    svi = SVI(fitted_model, guide, averaged, Trace_ELBO())
     bar = trange(num_steps, desc="MLE" if mle else "MAP", disable=not progress, leave=False)
+    losses = []
     for _ in bar:
         step_args, step_kwargs = batches.next()
         loss = svi.step(*step_args, **step_kwargs)
+        if not math.isfinite(loss):
+            _drop_params()
+            raise ValueError(
+                f"fit_map: the loss is {loss} at step {len(losses)}; the data, the prior or "
+                f"the learning rate ({_learning_rate(optimizer)}) is unusable: check the data "
+                "for NaN or inf, then lower the learning rate"
+            )
+        losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
     with torch.no_grad():
         fitted = {name: value.detach().clone() for name, value in guide.median().items()}
     # The guide's locations are returned; keeping them would make the next fit start
     # from this one's result. Point weights (the model's own params) stay.
     _drop_params()
-    return fitted
+    return fitted, losses
+
+
+def still_falling(losses: list[float]) -> tuple[float, float] | None:
+    """(drop, standard error) if the last fifth of ``losses`` is clearly below the one before.
+
+    Clearly: by more than three standard errors of the difference of the two means and
+    by more than half a nat (see :func:`fit_map`). None otherwise, or if there are fewer
+    than 10 losses.
+    """
+    window = len(losses) // 5
+    if window < 5:
+        return None
+    before = torch.tensor(losses[-2 * window : -window], dtype=torch.float64)
+    last = torch.tensor(losses[-window:], dtype=torch.float64)
+    drop = float(before.mean() - last.mean())
+    error = float((before.var() / window + last.var() / window).sqrt())
+    return (drop, error) if drop > 3 * error and drop > 0.5 else None
+
+
+def adam_at_prior_scale(
+    prior_scales: Mapping[str, float], fraction: float = 0.01, point_lr: float = 1e-3
+) -> pyro.optim.Adam:
+    """Adam whose learning rate for each latent site is ``fraction`` of its prior's scale.
+
+    Adam moves every coordinate by about its learning rate per step, whatever the
+    gradient's size, and the prior's standard deviation is the scale the weights live
+    on: at 1% of it, a weight crosses its prior's width in a hundred steps. Point
+    weights (no prior) get ``point_lr``.
+
+    :param dict prior_scales: latent site -> prior standard deviation.
+    """
+    rates = {f"{_FitMapDelta.__name__}.{site}": fraction * s for site, s in prior_scales.items()}
+    return pyro.optim.Adam(lambda name, param: {"lr": rates.get(name, point_lr)})
+
+
+def _learning_rate(optimizer: pyro.optim.PyroOptim | None) -> str:
+    if optimizer is None:
+        return "the default Adam's lr 1e-3; pass optimizer=pyro.optim.Adam({'lr': ...})"
+    settings = getattr(optimizer, "pt_optim_args", None)
+    if isinstance(settings, dict) and "lr" in settings:
+        return f"lr {settings['lr']} of optimizer={type(optimizer).__name__}"
+    return f"of optimizer={type(optimizer).__name__}"
 
 
 class _FitMapDelta(AutoDelta):

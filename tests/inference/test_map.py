@@ -68,5 +68,5 @@ def test_fit_starts_from_the_module_weights():
 
 def test_num_steps_is_checked():
     x, y, net, model = _regression()
-    with pytest.raises(ValueError, match="num_steps must be a non-negative int"):
+    with pytest.raises(ValueError, match="num_steps must be an int >= 0"):
         fit_map(model, (x, y), NUM_DATA, num_steps=-1)

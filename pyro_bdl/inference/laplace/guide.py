@@ -18,6 +18,7 @@ methods.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 
 import pyro
@@ -29,9 +30,10 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from tqdm.auto import tqdm
 
 from pyro_bdl import distributed
+from pyro_bdl._checks import instance, integer, real
 from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
-from pyro_bdl.inference.laplace.jacobians import ModelJacobians
+from pyro_bdl.inference.laplace.jacobians import DenseGradient, ModelJacobians
 from pyro_bdl.inference.laplace.predictive import (
     LINKS,
     laplace_bridge,
@@ -39,12 +41,16 @@ from pyro_bdl.inference.laplace.predictive import (
     probit,
 )
 from pyro_bdl.inference.laplace.prior import LaplacePrior
-from pyro_bdl.inference.map import fit_map
+from pyro_bdl.inference.map import adam_at_prior_scale, minimise
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.lift import init_to_module
 from pyro_bdl.priors import normal_parameters
 
 __all__ = ["LaplaceGuide"]
+
+# L-BFGS passes before the curvature is first refreshed; each round doubles it (a
+# fresh curvature whitens far better while the point still moves a lot).
+_FIRST_ROUND = 5
 
 PriorPrecision = float | Mapping[str, float | torch.Tensor] | None
 
@@ -52,9 +58,9 @@ PriorPrecision = float | Mapping[str, float | torch.Tensor] | None
 class LaplaceGuide(AutoGuide):
     r"""Laplace approximation :math:`\mathcal{N}(\theta_\text{MAP}, T P^{-1})` of a model's weights.
 
-    :meth:`fit` finds the MAP (Adam on the minibatch log joint, or the current values with
-    ``map=False``) and makes one pass over the DataLoader arguments to accumulate the
-    curvature :math:`H`, the sum over the data set of :math:`J_i^\top V_i V_i^\top J_i`
+    :meth:`fit` finds the MAP (Adam on minibatches, then L-BFGS on full passes to a
+    tolerance it checks; or takes given values, which it checks too) and makes one pass
+    over the DataLoader arguments to accumulate the curvature :math:`H`, the sum over the data set of :math:`J_i^\top V_i V_i^\top J_i`
     (see :mod:`~pyro_bdl.inference.laplace.curvature`). The posterior precision is
 
     .. math:: P = H + \operatorname{diag}(\delta), \qquad \Sigma = T P^{-1},
@@ -130,47 +136,134 @@ class LaplaceGuide(AutoGuide):
         map: bool | Mapping[str, torch.Tensor] = True,
         num_steps: int = 1000,
         optimizer: pyro.optim.PyroOptim | None = None,
+        max_passes: int = 100,
+        mode_tolerance: float | None = 0.1,
         progress: bool = True,
         **kwargs,
     ) -> LaplaceGuide:
-        """Find the MAP and accumulate the curvature in one pass over the data.
+        r"""Find the MAP, then accumulate the curvature in one pass over the data.
+
+        With ``map=True`` the mode is found in two stages. First ``num_steps`` minibatch
+        steps of ``optimizer`` on the log joint, by default Adam with a learning rate of
+        1% of each site's prior standard deviation (Adam moves every coordinate by about
+        its learning rate per step, and the prior's scale is the scale the weights live
+        on). Then L-BFGS on the log joint over full passes of the data, in coordinates
+        whitened by the Laplace covariance at its start, :math:`\theta = \theta_0 + R u`
+        with :math:`R R^\top = P^{-1}`: there the problem is close to the identity and the
+        gradient's norm is the Newton decrement below. L-BFGS stops when that is under
+        ``mode_tolerance / 2``; the curvature is then taken afresh at the new point, and
+        the two alternate (5, 10, 20, ... passes per round) while the point is not within
+        ``mode_tolerance`` and fewer than ``max_passes`` passes have been made.
+
+        Whatever the values (found, ``map=False`` or a dict), the curvature pass also
+        takes the gradient :math:`g` of the log joint over the data, and the fit reports
+
+        .. math:: \lambda = \sqrt{g^\top P^{-1} g / T}
+
+        (:attr:`mode_distance`): the distance from the point to the mode of the quadratic
+        model of the tempered log posterior, in its own standard deviations (the Newton
+        decrement). By Cauchy-Schwarz it bounds how far any linear function of the
+        weights (a linearised prediction, a coordinate of the mean) is off, in posterior
+        standard deviations, and the evidence is about :math:`\lambda^2 / 2` nats low.
+        Above ``mode_tolerance`` the fit warns: the approximation is not centred on a
+        mode, and its mean, curvature and evidence are those of another point.
+
+        .. note:: At a LoRA initialisation (``B = 0``) the prior pulls ``A`` to zero
+            while the likelihood gives it no gradient; on little data the mode may be
+            ``A = B = 0`` (no fine-tuning), which is then what this finds. To Laplace a
+            fine-tuned adapter, pass its values (``map=``) or ``map=False``.
 
         :param args: the model's arguments; a DataLoader stands for its batches.
-        :param map: True: maximise the log joint with
-            :func:`~pyro_bdl.inference.fit_map` (``num_steps`` minibatch steps of
-            ``optimizer``, Adam lr 1e-3 by default); False: keep the current values
-            (a fine-tuned checkpoint); a dict: these site values.
-        :param int num_steps: MAP optimisation steps.
-        :param optimizer: a ``pyro.optim`` optimiser for the MAP.
+        :param map: True: find the MAP (above); False: take the current values (a
+            fine-tuned checkpoint) as the MAP; a dict: these site values.
+        :param int num_steps: minibatch steps before L-BFGS (0 starts L-BFGS from the
+            initial values, e.g. to refine a checkpoint to its mode).
+        :param optimizer: a ``pyro.optim`` optimiser for those steps.
+        :param int max_passes: the most full passes of the data L-BFGS may make.
+        :param float mode_tolerance: the largest :math:`\lambda` accepted, in posterior
+            standard deviations; None skips the check and the gradient it needs (one
+            backward pass per batch) and, with ``map=True``, the L-BFGS stage, which stops
+            on it.
         :param bool progress: show progress bars.
         :return: the guide, fitted.
         """
+        if not isinstance(map, (bool, Mapping)):
+            raise TypeError(
+                f"map must be True, False or a dict of site values, got {type(map).__name__}"
+            )
+        num_steps = integer("num_steps", num_steps, low=0)
+        max_passes = integer("max_passes", max_passes, low=0)
+        if mode_tolerance is not None:
+            mode_tolerance = real("mode_tolerance", mode_tolerance, positive=True)
+        instance("progress", progress, bool, "True or False")
+        if optimizer is not None:
+            instance("optimizer", optimizer, pyro.optim.PyroOptim, "a pyro.optim optimiser")
         batches = Minibatches(args, kwargs)
         first_args, first_kwargs = batches.peek()
         self._setup_prototype(*first_args, **first_kwargs)
         model = self._laplace_model[0]
         if map is True:
-            values = fit_map(
+            values, _ = minimise(
                 model,
-                *args,
-                num_steps=num_steps,
-                optimizer=optimizer,
-                init_loc_fn=self.init_loc_fn,
-                progress=progress,
-                **kwargs,
+                args,
+                kwargs,
+                num_steps,
+                optimizer or adam_at_prior_scale(self._prior_scales()),
+                False,
+                self.init_loc_fn,
+                progress,
             )
         elif map is False:
             values = {name: site["value"] for name, site in self._sites.items()}
-        elif isinstance(map, Mapping):
-            missing = [name for name in self._sites if name not in map]
-            if missing:
-                raise ValueError(f"fit(map=...): no value for the latent sites {missing[:5]}")
-            values = {name: torch.as_tensor(map[name]) for name in self._sites}
         else:
-            raise TypeError(f"map must be True, False or a dict of site values, got {map!r}")
+            values = self._checked_values(map)
         self._loc = {name: value.detach().clone() for name, value in values.items()}
-        self._accumulate(model, batches, progress)
+        check = mode_tolerance is not None
+        self._accumulate(model, batches, progress, gradient=check)
+        passes = rounds = 0
+        while (
+            check and map is True and passes < max_passes and self._mode_distance() > mode_tolerance
+        ):
+            budget = min(max_passes - passes, _FIRST_ROUND * 2**rounds)
+            rounds += 1
+            passes += self._refine(model, batches, mode_tolerance, budget, progress)
+            self._accumulate(model, batches, progress, gradient=True)
+        if check and self._mode_distance() > mode_tolerance:
+            self._warn_not_a_mode(map, mode_tolerance, num_steps, max_passes)
         return self
+
+    def _prior_scales(self) -> dict[str, float]:
+        return {name: float(delta.rsqrt().mean()) for name, delta in self._model_precision.items()}
+
+    def _checked_values(self, values: Mapping) -> dict[str, torch.Tensor]:
+        """``fit(map=values)``: one finite tensor per latent site, of the site's shape."""
+        missing = [name for name in self._sites if name not in values]
+        if missing:
+            raise ValueError(f"fit(map=...): no value for the latent sites {missing[:5]}")
+        unknown = [name for name in values if name not in self._sites]
+        if unknown:
+            raise ValueError(
+                f"fit(map=...): {unknown[:5]} are not latent sites of the model; its latent "
+                f"sites are {list(self._sites)[:5]}"
+            )
+        checked = {}
+        for name, site in self._sites.items():
+            like = site["value"]
+            value = values[name]
+            if not torch.is_tensor(value):
+                raise TypeError(
+                    f"fit(map=...): the value of {name!r} must be a tensor, got "
+                    f"{type(value).__name__}"
+                )
+            if value.shape != like.shape:
+                raise ValueError(
+                    f"fit(map=...): the value of {name!r} has shape {tuple(value.shape)}, the "
+                    f"site has shape {tuple(like.shape)}"
+                )
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"fit(map=...): the value of {name!r} is not finite")
+            checked[name] = value.to(dtype=like.dtype, device=like.device)
+        return checked
 
     def _setup_prototype(self, *args, **kwargs) -> None:
         super()._setup_prototype(*args, **kwargs)
@@ -197,15 +290,42 @@ class LaplaceGuide(AutoGuide):
         self._model_precision = model_precision
         self.prior_precision = self._prior_precision_arg
 
-    def _accumulate(self, model: Callable, batches: Minibatches, progress: bool) -> None:
-        jacobians = ModelJacobians(model, self._loc)
+    def _accumulate(
+        self, model: Callable, batches: Minibatches, progress: bool, gradient: bool
+    ) -> None:
+        """The curvature pass at ``self._loc`` (with the log joint's gradient if asked)."""
         curvature = self.curvature
         curvature.begin(self._loc)
+        log_likelihood, score, num_data, seen, jacobians = self._pass(
+            model, batches, self._loc, curvature, gradient, progress
+        )
+        self._blocks = curvature.blocks(num_data / seen)
+        self._log_likelihood = log_likelihood
+        self.num_data = num_data
+        self._jacobians = jacobians
+        for block in self._blocks:
+            block.log_det(self._prior_precision)  # checks the prior suits the structure
+        self._gradient = None if score is None else self._log_joint_gradient(score, self._loc)
+
+    def _pass(self, model, batches, values, curvature, gradient, progress):
+        """One pass over the data at ``values``.
+
+        Feeds each batch's per-example gradients to ``curvature`` (if given) and sums the
+        log likelihood and, if ``gradient``, its gradient; both are scaled by
+        :math:`N / n_\text{seen}`, the one scaling every structure shares (1 after a full
+        pass over ``N`` examples).
+
+        :return: (log likelihood, its gradient per site or None, N, the number of
+            examples seen, the ModelJacobians).
+        """
+        jacobians = ModelJacobians(model, values)
+        leaves = list(jacobians.values.values())
         log_likelihood, seen, num_data = 0.0, 0, None
+        score = [torch.zeros_like(leaf) for leaf in leaves] if gradient else None
         bar = tqdm(
             batches.one_pass(),
             total=batches.batches_per_epoch,
-            desc=f"Laplace {curvature.name}",
+            desc=f"Laplace {curvature.name}" if curvature else "log joint",
             disable=not progress,
             leave=False,
         )
@@ -219,21 +339,146 @@ class LaplaceGuide(AutoGuide):
                     "bdl.observe"
                 )
             num_data = observation.num_data
-            columns = observation.columns(curvature.fisher, curvature.num_samples)
-            curvature.update(run.gradients(columns))
-            log_likelihood = log_likelihood + observation.log_likelihood().detach()
+            if curvature is not None:
+                columns = observation.columns(curvature.fisher, curvature.num_samples)
+                curvature.update(run.gradients(columns))
+            batch_log_likelihood = observation.log_likelihood()
+            if gradient:
+                grads = torch.autograd.grad(batch_log_likelihood, leaves, allow_unused=True)
+                for total, grad in zip(score, grads):
+                    if grad is not None:
+                        total += grad
+            log_likelihood = log_likelihood + batch_log_likelihood.detach()
             seen += observation.num_examples
         # data-parallel (torchrun): every rank passed over its shard; add the passes up
-        curvature.synchronise()
+        if curvature is not None:
+            curvature.synchronise()
         seen, log_likelihood = distributed.sum_across_ranks(seen, log_likelihood)
+        if score is not None:
+            distributed.all_reduce_(score)
         # One scaling for every structure: the pass's sums stand for N examples.
         scale = num_data / seen
-        self._blocks = curvature.blocks(scale)
-        self._log_likelihood = log_likelihood * scale
-        self.num_data = num_data
-        self._jacobians = jacobians
+        if score is not None:
+            score = {name: total * scale for name, total in zip(jacobians.values, score)}
+        return log_likelihood * scale, score, num_data, seen, jacobians
+
+    def _log_joint_gradient(self, score, values) -> dict[str, torch.Tensor]:
+        """The log joint's gradient: the likelihood's plus the normal prior's."""
+        return {
+            name: score[name] - self._model_precision[name] * (value - self._prior_loc[name])
+            for name, value in values.items()
+        }
+
+    def _log_prior(self, values) -> torch.Tensor:
+        """The model's normal log prior of ``values``, up to a constant."""
+        return -0.5 * sum(
+            (self._model_precision[name] * (value - self._prior_loc[name]).square()).sum()
+            for name, value in values.items()
+        )
+
+    @property
+    def mode_distance(self) -> float | None:
+        r"""How far the fitted point is from a mode, in posterior standard deviations.
+
+        The Newton decrement :math:`\lambda = \sqrt{g^\top P^{-1} g / T}` of :meth:`fit`
+        at the current prior precision; None if the fit skipped the check
+        (``mode_tolerance=None``).
+        """
+        self._check_fitted()
+        return None if self._gradient is None else self._mode_distance()
+
+    def _mode_distance(self) -> float:
+        squared = sum(
+            block.output_covariance(
+                {name: DenseGradient(self._gradient[name][None, None]) for name in block.sites},
+                self._prior_precision,
+            ).sum()
+            for block in self._blocks
+        )
+        return math.sqrt(max(float(squared), 0.0) / self.temperature)
+
+    def _whiten(self, start, offsets) -> dict[str, torch.Tensor]:
+        """:math:`\theta_0 + R u` with :math:`R R^\top = P^{-1}`, differentiable in ``u``."""
+        values = {}
         for block in self._blocks:
-            block.log_det(self._prior_precision)  # checks the prior suits the structure
+            noise = {name: offsets[name].unsqueeze(0) for name in block.sites}
+            for name, step in block.sample(noise, self._prior_precision).items():
+                values[name] = start[name] + step[0]
+        return values
+
+    def _refine(self, model, batches, tolerance, budget, progress) -> int:
+        """L-BFGS on the log joint in whitened coordinates; returns the passes taken."""
+        start = {name: value.detach() for name, value in self._loc.items()}
+        offsets = {
+            name: torch.zeros_like(value, requires_grad=True) for name, value in start.items()
+        }
+        # A long memory pays on these small non-convex problems; keep it under ~1e8 numbers.
+        size = sum(value.numel() for value in start.values())
+        history = max(5, min(100, 50_000_000 // size))
+        lbfgs = torch.optim.LBFGS(
+            list(offsets.values()),
+            lr=1.0,
+            max_iter=budget,
+            max_eval=budget,
+            tolerance_grad=0.0,
+            history_size=history,
+            line_search_fn="strong_wolfe",
+        )
+        bar = tqdm(
+            total=budget, desc="MAP (L-BFGS, full passes)", disable=not progress, leave=False
+        )
+        passes = 0
+
+        def closure():
+            nonlocal passes
+            passes += 1
+            bar.update()
+            lbfgs.zero_grad()
+            values = self._whiten(start, offsets)
+            detached = {name: value.detach() for name, value in values.items()}
+            log_likelihood, score, *_ = self._pass(model, batches, detached, None, True, False)
+            gradient = self._log_joint_gradient(score, detached)
+            torch.autograd.backward(list(values.values()), [-gradient[name] for name in values])
+            log_joint = log_likelihood + self._log_prior(detached)
+            # In these coordinates the gradient's norm is the Newton decrement at T = 1.
+            # LBFGS stops when the gradient it sees is zero: report zero once it is small.
+            squared = sum(offset.grad.square().sum() for offset in offsets.values())
+            if math.sqrt(float(squared) / self.temperature) <= tolerance / 2:
+                for offset in offsets.values():
+                    offset.grad.zero_()
+            bar.set_postfix(log_joint=f"{float(log_joint):.6g}", refresh=False)
+            return -log_joint
+
+        lbfgs.step(closure)
+        bar.close()
+        with torch.no_grad():
+            self._loc = {
+                name: value.detach().clone() for name, value in self._whiten(start, offsets).items()
+            }
+        return passes
+
+    def _warn_not_a_mode(self, map, tolerance, num_steps, max_passes) -> None:
+        norm = math.sqrt(sum(float(g.square().sum()) for g in self._gradient.values()))
+        if map is True:
+            fix = (
+                f"raise max_passes (now {max_passes}) or num_steps (now {num_steps}), or "
+                "pass map=<the values of a converged fit>"
+            )
+        else:
+            given = "the module's current weights (map=False)" if map is False else "map="
+            fix = (
+                f"{given} are not a MAP of this model (a checkpoint fitted with another prior "
+                "or weight decay, or not converged): refine them with map=True, num_steps=0 "
+                "(L-BFGS from them), or pass converged values"
+            )
+        warnings.warn(
+            f"LaplaceGuide.fit: the point is not a mode of the log joint: its gradient has "
+            f"norm {norm:.4g}, which puts the mode {self._mode_distance():.3g} posterior "
+            f"standard deviations away (Newton decrement sqrt(g' P^-1 g / T), above "
+            f"mode_tolerance={tolerance}); the mean, curvature and evidence are those of "
+            f"another point. To fix: {fix}. mode_tolerance=None skips this check",
+            stacklevel=3,
+        )
 
     def _check_fitted(self) -> None:
         if self._blocks is None:
