@@ -3,7 +3,7 @@
 Example::
 
     import pyro_bdl as bdl
-    net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(scale=0.2), random="lora_")
+    net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(scale=0.2))  # adapters and head
 """
 
 from pyro_bdl import data, diagnostics, metrics, priors

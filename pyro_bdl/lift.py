@@ -20,6 +20,7 @@ Activation checkpointing recomputes layers during the backward pass, after
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_mean
 from torch.func import functional_call
 
+from pyro_bdl._checks import instance
 from pyro_bdl.priors import IIDNormal, Prior
 
 __all__ = ["lift", "LiftedModule", "init_to_module", "parameter_owner", "Selector"]
@@ -55,15 +57,26 @@ def init_to_module(site: dict, fallback: Callable[[dict], torch.Tensor] = init_t
     return fallback(site)
 
 
-def _selector_matches(selector: Selector, argument: str, trainable: Mapping[str, torch.Tensor]):
-    """The names of trainable parameters that ``selector`` picks."""
+def _selector_matches(
+    selector: Selector,
+    argument: str,
+    trainable: Mapping[str, torch.Tensor],
+    aliases: Mapping[str, str],
+) -> list[str]:
+    """The names of trainable parameters that ``selector`` picks (at least one)."""
     if selector is None:
         return []
     if isinstance(selector, str):
-        return [name for name in trainable if selector in name]
-    if callable(selector):
-        return [name for name, param in trainable.items() if selector(name, param)]
-    if isinstance(selector, Sequence):
+        names = [name for name in trainable if selector in name]
+    elif callable(selector):
+        names = [name for name, param in trainable.items() if selector(name, param)]
+    elif isinstance(selector, Sequence) and all(isinstance(n, str) for n in selector):
+        tied = {name: aliases[name] for name in selector if name in aliases}
+        if tied:
+            raise ValueError(
+                f"lift: {argument} names tied parameters by their second names {tied}; "
+                "select each by its first name (the one module.named_parameters() gives)"
+            )
         unknown = [name for name in selector if name not in trainable]
         if unknown:
             raise ValueError(
@@ -71,11 +84,19 @@ def _selector_matches(selector: Selector, argument: str, trainable: Mapping[str,
                 f"module: {unknown[:5]}; trainable ones include {list(trainable)[:5]}. Pass "
                 "names from module.named_parameters() whose requires_grad is True."
             )
-        return list(dict.fromkeys(selector))
-    raise TypeError(
-        f"lift: {argument} must be a substring, a list of parameter names or a predicate "
-        f"(name, param) -> bool, got {type(selector).__name__}"
-    )
+        names = list(dict.fromkeys(selector))
+    else:
+        raise TypeError(
+            f"lift: {argument} must be a substring, a list of parameter names or a predicate "
+            f"(name, param) -> bool, got {type(selector).__name__}"
+        )
+    if not names:
+        raise ValueError(
+            f"lift: {argument}={selector!r:.80} matches no trainable parameter; trainable "
+            f"parameters include {list(trainable)[:5]} (frozen ones, requires_grad=False, "
+            "cannot be selected)"
+        )
+    return names
 
 
 class LiftedModule:
@@ -93,11 +114,13 @@ class LiftedModule:
         random_names: Sequence[str],
         point_names: Sequence[str],
         prefix: str,
+        frozen_names: Sequence[str] = (),
     ):
         self.module = module
         self.prefix = prefix
         self._params = dict(module.named_parameters())
-        self._aliases = _aliases(module, [*random_names, *point_names])
+        self._frozen = list(frozen_names)
+        self._aliases = _aliases(module, [*random_names, *point_names, *frozen_names])
         self.random_sites = {prefix + name: name for name in random_names}
         self.point_sites = {prefix + name: name for name in point_names}
         self._prior_cache: dict[str, tuple[Any, dist.TorchDistribution]] = {}
@@ -111,10 +134,10 @@ class LiftedModule:
 
     @prior.setter
     def prior(self, prior: Prior) -> None:
-        if not hasattr(prior, "distribution"):
+        if isinstance(prior, type) or not hasattr(prior, "distribution"):
             raise TypeError(
-                "lift: prior must implement distribution(name, param) (see pyro_bdl.priors), "
-                f"got {type(prior).__name__}"
+                "lift: prior must be a prior object with distribution(name, param), e.g. "
+                f"bdl.priors.IIDNormal(0.2) (see pyro_bdl.priors), got {_describe(prior)}"
             )
         self._prior = prior
         self._prior_cache.clear()
@@ -172,6 +195,8 @@ class LiftedModule:
         for site, name in self.point_sites.items():
             param = self._params[name]
             values[name] = pyro.param(site, lambda param=param: param.detach().clone())
+        for name in self._frozen:  # the module's value, without a gradient
+            values[name] = self._params[name].detach()
         # Tied weights: every alias gets the value, so functional_call need not search
         # the module for ties at each call (a walk over all its parameters).
         for name, aliases in self._aliases.items():
@@ -252,18 +277,23 @@ def lift(
     point: Selector = None,
     *,
     prefix: str = "",
+    frozen: Selector = None,
 ) -> LiftedModule:
     """Make chosen weights of ``module`` Pyro sites, keeping the module unchanged.
 
     Parameters are selected among the module's *trainable* parameters
     (``requires_grad=True``) by a substring of their name, a list of names, or a
-    predicate ``(name, param) -> bool``. By default every trainable parameter is
-    random. Trainable parameters selected by neither ``random`` nor ``point`` stay the
-    module's own during inference, like frozen ones.
+    predicate ``(name, param) -> bool``. By default every trainable parameter that is
+    not ``point`` or ``frozen`` is random. A trainable parameter that is none of the
+    three would keep its current value in every method while still getting gradients
+    (a new classification head left at its random initialisation): ``lift`` warns and
+    names it.
 
     Example::
 
-        net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(scale=0.2), random="lora_")
+        # peft's LoRA for classification: the adapters and the new head are trainable
+        net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(scale=0.2),
+                       random=lambda name, param: "lora_" in name or "classifier" in name)
 
         def model(batch, num_data):
             logits = net(input_ids=batch["input_ids"]).logits
@@ -275,30 +305,76 @@ def lift(
     :param random: which trainable parameters get a prior and a ``pyro.sample`` site.
     :param point: which trainable parameters are point estimates read with ``pyro.param``.
     :param str prefix: prepended to every site name (to lift two modules in one model).
+    :param frozen: which trainable parameters to hold at the module's current values,
+        like ``requires_grad=False`` ones, without changing the module (e.g. the LoRA
+        adapters of a last-layer Laplace).
     :return: a callable :class:`LiftedModule`.
     """
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"lift: module must be a torch.nn.Module, got {type(module).__name__}")
+    instance("module", module, torch.nn.Module, "a torch.nn.Module")
+    instance("prefix", prefix, str, "a string")
     trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
-    random_names = (
-        list(trainable) if random is None else _selector_matches(random, "random", trainable)
-    )
-    point_names = _selector_matches(point, "point", trainable)
-    overlap = sorted(set(random_names) & set(point_names))
-    if overlap:
-        if random is None:
-            random_names = [name for name in random_names if name not in set(point_names)]
-        else:
-            raise ValueError(
-                f"lift: parameters selected as both random and point: {overlap[:5]}; "
-                "a weight is either a sample site or a pyro.param, not both"
-            )
-    if random is not None and not random_names:
+    if not trainable:
         raise ValueError(
-            f"lift: random={random!r} matches no trainable parameter; trainable parameters "
-            f"include {list(trainable)[:5]} (frozen ones, requires_grad=False, cannot be random)"
+            f"lift: {type(module).__name__} has no trainable parameters (every one has "
+            "requires_grad=False), so there is nothing to make random or point"
         )
-    return LiftedModule(module, prior or IIDNormal(1.0), random_names, point_names, prefix)
+    aliases = _tied_names(module)
+    point_names = _selector_matches(point, "point", trainable, aliases)
+    frozen_names = _selector_matches(frozen, "frozen", trainable, aliases)
+    if random is None:
+        chosen = set(point_names) | set(frozen_names)
+        random_names = [name for name in trainable if name not in chosen]
+    else:
+        random_names = _selector_matches(random, "random", trainable, aliases)
+    for first, second, a, b in (
+        ("random", "point", random_names, point_names),
+        ("random", "frozen", random_names, frozen_names),
+        ("point", "frozen", point_names, frozen_names),
+    ):
+        overlap = sorted(set(a) & set(b))
+        if overlap:
+            raise ValueError(
+                f"lift: parameters selected as both {first} and {second}: {overlap[:5]}; a "
+                "weight is one of a sample site (random), a pyro.param (point) or frozen"
+            )
+    chosen = set(random_names) | set(point_names) | set(frozen_names)
+    left = [name for name in trainable if name not in chosen]
+    if left:
+        warnings.warn(
+            f"lift: {len(left)} trainable parameters of {type(module).__name__} are neither "
+            f"random, point nor frozen: {left[:5]}{' ...' if len(left) > 5 else ''}. No "
+            "method learns them: they keep their current values (a new classification head "
+            "stays at its random initialisation). Select them with random= or point= to "
+            "learn them, "
+            "or frozen= to keep them on purpose",
+            stacklevel=2,
+        )
+    return LiftedModule(
+        module,
+        IIDNormal(1.0) if prior is None else prior,
+        random_names,
+        point_names,
+        prefix,
+        [*frozen_names, *left],
+    )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, type):
+        return f"the class {value.__name__} (pass an instance)"
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each second name of a tied parameter -> the name ``named_parameters()`` gives it."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 def parameter_owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:

@@ -1,3 +1,5 @@
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -37,9 +39,11 @@ def test_forward_uses_the_sampled_values_and_leaves_the_module_untouched():
 
 def test_selection_by_substring_list_and_predicate():
     module = _mlp()
-    assert set(bdl.lift(module, random="weight").random_sites) == {"0.weight", "2.weight"}
-    assert set(bdl.lift(module, random=["2.bias"]).random_sites) == {"2.bias"}
-    chosen = bdl.lift(module, random=lambda name, p: p.dim() == 1)
+    lifted = bdl.lift(module, random="weight", point="bias")
+    assert set(lifted.random_sites) == {"0.weight", "2.weight"}
+    lifted = bdl.lift(module, random=["2.bias"], frozen=lambda name, p: name != "2.bias")
+    assert set(lifted.random_sites) == {"2.bias"}
+    chosen = bdl.lift(module, random=lambda name, p: p.dim() == 1, frozen="weight")
     assert set(chosen.random_sites) == {"0.bias", "2.bias"}
 
 
@@ -95,7 +99,7 @@ def test_tied_weights_stay_tied():
 def test_fixed_runs_any_method_with_one_draw_and_restores_the_weights():
     module = _mlp()
     original = module[2].weight.detach().clone()
-    net = bdl.lift(module, random="2.")
+    net = bdl.lift(module, random="2.", frozen="0.")
     draw = {"2.weight": torch.ones(2, 4), "2.bias": torch.zeros(2), "unrelated": torch.ones(1)}
     x = torch.randn(3, 3)
     with net.fixed(draw):
@@ -117,3 +121,83 @@ def test_prior_with_wrong_shape_is_rejected():
     net = bdl.lift(_mlp(), prior=Bad())
     with pytest.raises(ValueError, match="batch shape"):
         net(torch.randn(1, 3))
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=20,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=8,
+        num_labels=3,
+    )
+    return BertForSequenceClassification(config)
+
+
+def _tiny_peft_classifier():
+    """A BERT classifier of random weights with peft LoRA and a new trainable head."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=2, target_modules=["query", "value"], task_type="SEQ_CLS")
+    return get_peft_model(_tiny_bert(), lora)
+
+
+def test_a_trainable_weight_left_out_warns_and_names_it():
+    """Issue 10 item 10: random="lora_" left peft's new head at its initialisation, silently."""
+    peft_model = _tiny_peft_classifier()
+    with pytest.warns(UserWarning, match=r"neither random, point nor frozen: \['.*classifier"):
+        bdl.lift(peft_model, prior=bdl.priors.IIDNormal(0.2), random="lora_")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # the README's recipe: every trainable weight, adapters and head, is random
+        net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(0.2))
+        assert any("classifier" in site for site in net.random_sites)
+        point = bdl.lift(peft_model, random="lora_", point="modules_to_save")
+        assert all("classifier" in site for site in point.point_sites)
+        held = bdl.lift(peft_model, random="lora_", frozen="modules_to_save")
+        assert not any("classifier" in site for site in held.random_sites)
+
+
+def test_the_readme_recipe_learns_the_head():
+    peft_model = _tiny_peft_classifier()
+    net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(0.2))
+    head = next(site for site in net.random_sites if "classifier" in site and "weight" in site)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 20, (16, 6), generator=generator)
+    labels = torch.randint(0, 3, (16,), generator=generator)
+
+    def model(ids, labels):
+        logits = net(input_ids=ids).logits
+        bdl.observe("y", dist.Categorical(logits=logits), labels, len(labels))
+
+    fitted = bdl.inference.fit_map(
+        model, ids, labels, num_steps=5, optimizer=pyro.optim.Adam({"lr": 0.1}), progress=False
+    )
+    assert not torch.allclose(fitted[head], net.parameter(head))
+
+
+def test_frozen_weights_keep_their_value_and_get_no_gradient():
+    module = _mlp()
+    net = bdl.lift(module, random="2.", frozen="0.")
+    x = torch.randn(5, 3)
+    values = {"2.weight": torch.randn(2, 4, requires_grad=True), "2.bias": torch.zeros(2)}
+    out = pyro.poutine.condition(net, data=values)(x)
+    assert torch.allclose(out, torch.tanh(module[0](x)) @ values["2.weight"].T)
+    out.sum().backward()
+    assert module[0].weight.grad is None and values["2.weight"].grad is not None
+
+
+def test_library_models_select_every_trainable_weight():
+    from pyro_bdl.models import CNNLSTM, cnn_lstm_model, lora_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        cnn_lstm_model(CNNLSTM(vocab_size=30, embedding_dim=4, num_filters=4, hidden_size=4))
+        for head in ("random", "point", "lora", "frozen"):
+            lora_model(_tiny_bert(), "classification", head=head, rank=2, target_modules=["query"])
+        lora_model(_tiny_bert(), "classification", adapters_random="A", rank=2)

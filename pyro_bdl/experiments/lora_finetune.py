@@ -245,13 +245,15 @@ class Network:
             self.module = self.lora.peft_model
             self.model, self.net = self.lora.model, self.lora.net
 
-    def lifted(self, random, point=None) -> BayesianNet:
+    def lifted(self, random, point=None, frozen=None) -> BayesianNet:
         """Another Pyro model over the same module, with other weights random or point.
 
         :param random: which trainable weights are sample sites (see :func:`pyro_bdl.lift`).
         :param point: which are ``pyro.param`` point estimates.
+        :param frozen: which keep the module's values.
         """
-        net = bdl.lift(self.module, bdl.priors.IIDNormal(PRIOR_SCALE), random=random, point=point)
+        prior = bdl.priors.IIDNormal(PRIOR_SCALE)
+        net = bdl.lift(self.module, prior, random=random, point=point, frozen=frozen)
         return BayesianNet(net)
 
     def blob_model(self) -> BayesianNet:
@@ -260,7 +262,7 @@ class Network:
 
     def last_layer_model(self) -> BayesianNet:
         """The head random, every other weight the module's own (last-layer Laplace)."""
-        return self.lifted(lambda name, p: _is_head(name))
+        return self.lifted(lambda name, p: _is_head(name), frozen="lora_")
 
     def train(self, mode: bool = True) -> Network:
         """Training mode (LoRA and model dropout on, as in the papers' fine-tuning)."""

@@ -82,7 +82,7 @@ class LaplaceGuide(AutoGuide):
 
     Example::
 
-        net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(0.2), random="lora_")
+        net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(0.2))   # adapters and head
         net.module.eval()                        # no dropout in the curvature pass
 
         def model(batch, num_data):
