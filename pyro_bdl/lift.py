@@ -20,6 +20,7 @@ Activation checkpointing recomputes layers during the backward pass, after
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_mean
 from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pyro_bdl._checks import instance
 from pyro_bdl.priors import IIDNormal, Prior
@@ -188,10 +190,13 @@ class LiftedModule:
         if self._fixed_depth:
             return self.module(*args, **kwargs)
         values = {}
+        batched = []  # the random weights that carry a batch of draws
         for site, name in self.random_sites.items():
-            values[name] = pyro.sample(
-                site, self.prior_distribution(site), infer={_INIT_KEY: self._params[name]}
-            )
+            param = self._params[name]
+            value = pyro.sample(site, self.prior_distribution(site), infer={_INIT_KEY: param})
+            values[name] = value
+            if value.shape != param.shape:
+                batched.append(name)  # draws stacked in front, or a wrong shape (an error)
         for site, name in self.point_sites.items():
             param = self._params[name]
             values[name] = pyro.param(site, lambda param=param: param.detach().clone())
@@ -202,7 +207,66 @@ class LiftedModule:
         for name, aliases in self._aliases.items():
             for alias in aliases:
                 values[alias] = values[name]
+        if batched:
+            return self._vectorised(values, batched, args, kwargs)
         return functional_call(self.module, values, args, kwargs, tie_weights=False)
+
+    def _vectorised(self, values: dict, batched: list[str], args: tuple, kwargs: dict):
+        """The forward for a batch of draws, e.g. from ``Predictive(..., parallel=True)``.
+
+        Pyro's vectorised plate hands each random weight with leading draw dimensions
+        (``(S, *shape)``, or ``(S, 1, ..., *shape)``); :func:`torch.func.vmap` runs the
+        module once per draw, and every tensor it returns gets the draw dimensions in
+        front, where the plate expects them. Non-tensor outputs (a key-value cache) are
+        returned as None.
+        """
+        shapes = {}
+        for name in batched:
+            value, param = values[name], self._params[name]
+            lead = value.shape[: value.dim() - param.dim()]
+            if value.dim() < param.dim() or value.shape[len(lead) :] != param.shape:
+                raise ValueError(
+                    f"{self.prefix + name!r} has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(param.shape)}: a value must be the parameter's shape, or draws "
+                    "stacked in front of it"
+                )
+            while lead and lead[-1] == 1:  # the plate's padding for dims right of it
+                lead = lead[:-1]
+            shapes[name] = lead
+        draws = torch.broadcast_shapes(*shapes.values())
+        count = math.prod(draws)
+        moving = {}
+        for name in batched:
+            param = self._params[name]
+            value = values[name].reshape(*shapes[name], *param.shape)
+            moving[name] = value.expand(*draws, *param.shape).reshape(count, *param.shape)
+        for name, aliases in self._aliases.items():
+            for alias in aliases:
+                if name in moving:
+                    moving[alias] = moving[name]
+        fixed = {name: value for name, value in values.items() if name not in moving}
+        structure = {}
+
+        def one_draw(draw: dict) -> tuple:
+            output = functional_call(
+                self.module, {**fixed, **draw}, args, kwargs, tie_weights=False
+            )
+            leaves, structure["spec"] = tree_flatten(output)
+            structure["is_tensor"] = [torch.is_tensor(leaf) for leaf in leaves]
+            return tuple(leaf for leaf in leaves if torch.is_tensor(leaf))
+
+        try:
+            outputs = torch.func.vmap(one_draw, randomness="different")(moving)
+        except Exception as error:  # any failure inside vmap: name the way out
+            raise RuntimeError(
+                f"lift: {count} draws of the weights reached {type(self.module).__name__} at "
+                "once (Predictive(..., parallel=True) or a vectorised plate around the model), "
+                f"and its forward could not be vectorised over them with torch.func.vmap "
+                f"({type(error).__name__}: {error}); use Predictive(..., parallel=False)"
+            ) from error
+        tensors = iter(output.reshape(*draws, *output.shape[1:]) for output in outputs)
+        leaves = [next(tensors) if is_tensor else None for is_tensor in structure["is_tensor"]]
+        return tree_unflatten(leaves, structure["spec"])
 
     @contextlib.contextmanager
     def fixed(self, values: Mapping[str, torch.Tensor]) -> Iterator[LiftedModule]:

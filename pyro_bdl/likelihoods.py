@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.poutine.runtime import get_plates
 
 __all__ = ["observe"]
 
@@ -46,10 +47,14 @@ def observe(
             "dimension must be the minibatch (e.g. Categorical(logits=logits) with logits "
             "of shape (B, classes))"
         )
-    batch_size = batch_shape[0]
+    # Plates around the call (Predictive(..., parallel=True) draws weights in one) own
+    # the leading batch dimensions; the minibatch comes after them.
+    outer = max((-frame.dim for frame in get_plates() if frame.dim is not None), default=1) - 1
+    outer = min(outer, len(batch_shape) - 1)
+    batch_size = batch_shape[outer]
     if obs is not None:
         expected = batch_shape + distribution.event_shape
-        if obs.shape != expected:
+        if obs.shape not in (expected, expected[outer:]):
             raise ValueError(
                 f"observe({name!r}): obs has shape {tuple(obs.shape)} but the distribution "
                 f"expects {tuple(expected)} (batch {tuple(batch_shape)}, event "
@@ -57,7 +62,7 @@ def observe(
                 "minibatch"
             )
     if mask is not None:
-        if mask.shape != batch_shape:
+        if mask.shape not in (batch_shape, batch_shape[outer:]):
             raise ValueError(
                 f"observe({name!r}): mask has shape {tuple(mask.shape)}, expected the batch "
                 f"shape {tuple(batch_shape)}"
@@ -70,7 +75,7 @@ def observe(
             f"observe({name!r}): num_data must be an int at least the minibatch size "
             f"{batch_size} (the size of the whole training set), got {num_data!r}"
         )
-    distribution = distribution.to_event(len(batch_shape) - 1)
+    distribution = distribution.to_event(len(batch_shape) - 1 - outer)
     # Passing the subsample indices ourselves keeps Pyro from drawing a random
     # permutation of num_data at every step: the DataLoader already chose the batch.
     indices = torch.arange(batch_size)

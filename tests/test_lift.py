@@ -201,3 +201,57 @@ def test_library_models_select_every_trainable_weight():
         for head in ("random", "point", "lora", "frozen"):
             lora_model(_tiny_bert(), "classification", head=head, rank=2, target_modules=["query"])
         lora_model(_tiny_bert(), "classification", adapters_random="A", rank=2)
+
+
+def test_a_batch_of_draws_runs_the_module_once_per_draw():
+    """Issue 10 item 9: Predictive(parallel=True) hands the network a batch of weights."""
+    module = _mlp()
+    net = bdl.lift(module, prior=bdl.priors.IIDNormal(0.5))
+    x = torch.randn(5, 3)
+    draws = {name: torch.randn(4, *p.shape) for name, p in module.named_parameters()}
+    out = pyro.poutine.condition(net, data=draws)(x)
+    for i in range(4):
+        with net.fixed({name: value[i] for name, value in draws.items()}):
+            assert torch.allclose(out[i], module(x))
+    padded = {name: value.unsqueeze(1) for name, value in draws.items()}  # Pyro's (S, 1, ...)
+    assert torch.allclose(pyro.poutine.condition(net, data=padded)(x), out)
+
+
+def test_a_hugging_face_classifier_under_parallel_predictive():
+    peft_model = _tiny_peft_classifier().eval()
+    net = bdl.lift(peft_model, prior=bdl.priors.IIDNormal(0.2))
+    ids = torch.randint(0, 20, (3, 6), generator=torch.Generator().manual_seed(0))
+
+    def model(ids, num_data):
+        logits = net(input_ids=ids).logits
+        bdl.observe("y", dist.Categorical(logits=logits), None, num_data)
+        return logits
+
+    pyro.set_rng_seed(0)
+    out = pyro.infer.Predictive(model, num_samples=4, parallel=True, return_sites=["_RETURN", "y"])(
+        ids, 10
+    )
+    assert out["_RETURN"].shape == (4, 3, 3) and out["y"].shape == (4, 3)
+    pyro.set_rng_seed(0)
+    sequential = pyro.infer.Predictive(model, num_samples=4, return_sites=["_RETURN"])(ids, 10)
+    assert out["_RETURN"].shape == sequential["_RETURN"].shape
+
+
+def test_a_module_that_cannot_be_vectorised_names_the_way_out():
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            out = self.linear(x)
+            return out if out.sum().item() > 0 else -out
+
+    net = bdl.lift(DataDependent())
+    draws = {name: torch.randn(4, *p.shape) for name, p in net.module.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"parallel=False"):
+        pyro.poutine.condition(net, data=draws)(torch.randn(5, 3))
+    with pytest.raises(ValueError, match=r"'linear.weight' has shape \(4, 3\)"):
+        pyro.poutine.condition(net, data={**draws, "linear.weight": torch.randn(4, 3)})(
+            torch.randn(5, 3)
+        )

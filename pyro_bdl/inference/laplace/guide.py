@@ -60,7 +60,8 @@ class LaplaceGuide(AutoGuide):
 
     :meth:`fit` finds the MAP (Adam on minibatches, then L-BFGS on full passes to a
     tolerance it checks; or takes given values, which it checks too) and makes one pass
-    over the DataLoader arguments to accumulate the curvature :math:`H`, the sum over the data set of :math:`J_i^\top V_i V_i^\top J_i`
+    over the DataLoader arguments to accumulate the curvature :math:`H`, the sum over the
+    data set of :math:`J_i^\top V_i V_i^\top J_i`
     (see :mod:`~pyro_bdl.inference.laplace.curvature`). The posterior precision is
 
     .. math:: P = H + \operatorname{diag}(\delta), \qquad \Sigma = T P^{-1},
@@ -308,7 +309,7 @@ class LaplaceGuide(AutoGuide):
         self._gradient = None if score is None else self._log_joint_gradient(score, self._loc)
 
     def _pass(self, model, batches, values, curvature, gradient, progress):
-        """One pass over the data at ``values``.
+        r"""One pass over the data at ``values``.
 
         Feeds each batch's per-example gradients to ``curvature`` (if given) and sums the
         log likelihood and, if ``gradient``, its gradient; both are scaled by
@@ -398,7 +399,7 @@ class LaplaceGuide(AutoGuide):
         return math.sqrt(max(float(squared), 0.0) / self.temperature)
 
     def _whiten(self, start, offsets) -> dict[str, torch.Tensor]:
-        """:math:`\theta_0 + R u` with :math:`R R^\top = P^{-1}`, differentiable in ``u``."""
+        r""":math:`\theta_0 + R u` with :math:`R R^\top = P^{-1}`, differentiable in ``u``."""
         values = {}
         for block in self._blocks:
             noise = {name: offsets[name].unsqueeze(0) for name in block.sites}
@@ -465,7 +466,11 @@ class LaplaceGuide(AutoGuide):
                 "pass map=<the values of a converged fit>"
             )
         else:
-            given = "the module's current weights (map=False)" if map is False else "map="
+            given = (
+                "the module's current weights (map=False)"
+                if map is False
+                else "the values passed as map="
+            )
             fix = (
                 f"{given} are not a MAP of this model (a checkpoint fitted with another prior "
                 "or weight decay, or not converged): refine them with map=True, num_steps=0 "
@@ -521,51 +526,70 @@ class LaplaceGuide(AutoGuide):
     # -- the Gaussian ----------------------------------------------------------------
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Draw every latent site from :math:`q` (one joint draw per call)."""
+        r"""Draw every latent site from :math:`q`.
+
+        One joint draw per call, or one per element of the plates around the guide
+        (``Predictive(..., parallel=True)`` draws all at once): the standard normal noise
+        :math:`z` is an auxiliary site that Pyro broadcasts over them, and each site is
+        the deterministic :math:`\theta_\text{MAP} + \sqrt{T} R z`, whose log density adds
+        :math:`\frac{1}{2} \log\det (P / T)` per block to the noise's.
+        """
         self._check_fitted()
-        draws, log_densities = self._draw(1)
+        like = next(iter(self._loc.values()))
+        sizes = [value.numel() for value in self._loc.values()]
+        standard = dist.Normal(like.new_zeros(sum(sizes)), 1.0).to_event(1)
+        noise = pyro.sample("_LaplaceGuide_noise", standard, infer={"is_auxiliary": True})
+        plates = noise.shape[:-1]
+        flat = noise.reshape(-1, noise.shape[-1])
+        parts = {
+            name: part.reshape(len(flat), *self._loc[name].shape)
+            for name, part in zip(self._loc, flat.split(sizes, -1))
+        }
+        draws = self._transform(parts)
         result = {}
-        for block, log_density in zip(self._blocks, log_densities):
+        for block in self._blocks:
+            size = sum(self._loc[name].numel() for name in block.sites)
+            log_det = block.log_det(self._prior_precision) - size * math.log(self.temperature)
             for k, name in enumerate(block.sites):
-                value = draws[name][0]
-                density = log_density[0] if k == 0 else 0.0
+                value = draws[name].reshape(plates + self._loc[name].shape)
+                density = 0.5 * log_det if k == 0 else 0.0
                 result[name] = pyro.sample(
-                    name, dist.Delta(value, log_density=density, event_dim=value.dim())
+                    name,
+                    dist.Delta(value, log_density=density, event_dim=self._loc[name].dim()),
                 )
         return result
 
-    def _draw(self, num_samples: int, generator: torch.Generator | None = None):
-        """``num_samples`` joint draws and each block's log density at them."""
-        draws, log_densities = {}, []
+    def _transform(self, noise: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        r""":math:`\theta_\text{MAP} + \sqrt{T} R z` for noise shaped ``(S, *site_shape)``."""
+        draws = {}
         root_t = math.sqrt(self.temperature)
         for block in self._blocks:
-            noise = {
-                name: torch.randn(
-                    num_samples,
-                    *self._loc[name].shape,
-                    dtype=self._loc[name].dtype,
-                    device=self._loc[name].device,
-                    generator=generator,
-                )
-                for name in block.sites
-            }
-            offsets = block.sample(noise, self._prior_precision)
-            size = 0
-            squared = 0.0
+            offsets = block.sample(
+                {name: noise[name] for name in block.sites}, self._prior_precision
+            )
             for name in block.sites:
                 draws[name] = self._loc[name] + root_t * offsets[name]
-                size += noise[name][0].numel()
-                squared = squared + noise[name].square().reshape(num_samples, -1).sum(1)
-            log_det = block.log_det(self._prior_precision) - size * math.log(self.temperature)
-            log_densities.append(0.5 * (log_det - size * math.log(2 * math.pi) - squared))
-        return draws, log_densities
+        return draws
 
     def sample_posterior(
         self, num_samples: int, generator: torch.Generator | None = None
     ) -> dict[str, torch.Tensor]:
         """``num_samples`` joint draws of every site, shaped ``(num_samples, *shape)``."""
         self._check_fitted()
-        return self._draw(num_samples, generator)[0]
+        num_samples = integer("num_samples", num_samples, low=1)
+        if generator is not None:
+            instance("generator", generator, torch.Generator, "a torch.Generator or None")
+        noise = {
+            name: torch.randn(
+                num_samples,
+                *value.shape,
+                dtype=value.dtype,
+                device=value.device,
+                generator=generator,
+            )
+            for name, value in self._loc.items()
+        }
+        return self._transform(noise)
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
