@@ -48,11 +48,12 @@ class BlockNormal(dist.TorchDistribution):
         self.loc = loc
         self.block = block
         self.site = block.sites[0]
-        self.delta = delta
+        # The block computes where it was fitted; the weights may have moved since.
+        self._device = next(iter(block.tensors().values())).device
+        self.delta = {site: value.to(self._device) for site, value in delta.items()}
         self.temperature = temperature
-        self._log_normaliser = 0.5 * (
-            block.log_det(delta) - loc.numel() * math.log(2 * math.pi * temperature)
-        )
+        log_det = block.log_det(self.delta).to(loc.device)
+        self._log_normaliser = 0.5 * (log_det - loc.numel() * math.log(2 * math.pi * temperature))
         super().__init__(batch_shape=torch.Size(), event_shape=loc.shape, validate_args=False)
 
     @constraints.dependent_property
@@ -65,18 +66,21 @@ class BlockNormal(dist.TorchDistribution):
 
     @property
     def variance(self):
-        return self.block.variance(self.delta)[self.site] * self.temperature
+        return self.block.variance(self.delta)[self.site].to(self.loc) * self.temperature
 
     def rsample(self, sample_shape=()):
         sample_shape = torch.Size(sample_shape)
-        noise = torch.randn(sample_shape.numel(), *self.loc.shape, dtype=self.loc.dtype)
-        draws = self.block.sample({self.site: noise.to(self.loc.device)}, self.delta)[self.site]
+        noise = torch.randn(
+            sample_shape.numel(), *self.loc.shape, dtype=self.loc.dtype, device=self._device
+        )
+        draws = self.block.sample({self.site: noise}, self.delta)[self.site].to(self.loc.device)
         return self.loc + math.sqrt(self.temperature) * draws.reshape(sample_shape + self.loc.shape)
 
     def log_prob(self, value):
         batch = value.shape[: value.dim() - self.loc.dim()]
-        x = (value - self.loc).reshape(-1, *self.loc.shape)
-        quadratic = self.block.quadratic({self.site: x}, self.delta) / self.temperature
+        x = (value - self.loc).reshape(-1, *self.loc.shape).to(self._device)
+        quadratic = self.block.quadratic({self.site: x}, self.delta).to(value.device)
+        quadratic = quadratic / self.temperature
         return (self._log_normaliser - 0.5 * quadratic).reshape(batch)
 
     def expand(self, batch_shape, _instance=None):
@@ -121,7 +125,7 @@ class LaplacePrior:
             )
         block = self.blocks[site]
         if isinstance(block, DiagonalBlock):
-            scale = (self.temperature * block.variance(self.delta)[site]).sqrt()
+            scale = (self.temperature * block.variance(self.delta)[site]).sqrt().to(loc)
             return dist.Normal(loc, scale.expand(loc.shape)).to_event(loc.dim())
         return BlockNormal(loc, block, self.delta, self.temperature)
 
