@@ -1,51 +1,114 @@
-"""The ``pyro-bdl`` command."""
+"""The ``pyro-bdl`` command.
+
+Every bad argument ends the command with one line on stderr, ``pyro-bdl: error: ...``,
+and exit status 2, before any work: unknown commands and experiments, a ``--data-dir``
+that is not a directory, an ``--out`` that is a file, negative or repeated seeds.
+Dataset and method names are checked by the experiment before it loads anything; those
+errors, and a malformed data file found later, end with one line and status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _seed(text: str) -> int:
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a seed must be an int >= 0, got {text!r}") from None
+    if seed < 0:
+        raise argparse.ArgumentTypeError(f"a seed must be an int >= 0, got {seed}")
+    return seed
+
+
+def _directory(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a directory; pass the folder that holds the datasets "
+            "(e.g. ../shared/data)"
+        )
+    return path
+
+
+def _output(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; --out must be a directory")
+    return path
+
+
+def _parser() -> _Parser:
+    from pyro_bdl import __version__
+    from pyro_bdl.experiments import EXPERIMENTS
+
+    parser = _Parser(prog="pyro-bdl", description="Bayesian deep learning in Pyro")
+    parser.add_argument("--version", action="version", version=f"pyro-bdl {__version__}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="command", help="demo or experiment"
+    )
+    demo = commands.add_parser("demo", help="Bayesian MLP on the digits data with SGMCMC and MAP")
+    demo.add_argument("--out", type=_output, default="results/demo", help="output directory")
+    demo.add_argument("--seed", type=_seed, default=0)
+    demo.add_argument("--quick", action="store_true", help="small, CI-sized run")
+    demo.add_argument(
+        "--data-dir",
+        type=_directory,
+        help="folder with sst2/ for the LoRA language-model part (skipped without)",
+    )
+    experiment = commands.add_parser("experiment", help="run one of the papers' experiments")
+    experiment.add_argument("name", choices=sorted(EXPERIMENTS), help="the experiment")
+    experiment.add_argument(
+        "--data-dir", type=_directory, required=True, help="folder holding the datasets"
+    )
+    experiment.add_argument("--out", type=_output, required=True, help="output directory")
+    experiment.add_argument("--quick", action="store_true", help="CI-sized run (< 2 minutes)")
+    experiment.add_argument("--seeds", type=_seed, nargs="+", default=[0, 1, 2])
+    experiment.add_argument("--datasets", nargs="+", help="restrict to these datasets")
+    experiment.add_argument("--methods", nargs="+", help="restrict to these methods")
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``pyro-bdl``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    parser = argparse.ArgumentParser(prog="pyro-bdl", description="Bayesian deep learning in Pyro")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="Bayesian MLP on the digits data with SGMCMC and MAP")
-    demo.add_argument("--out", default="results/demo", help="output directory")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--quick", action="store_true", help="small, CI-sized run")
-    demo.add_argument(
-        "--data-dir", help="folder with sst2/ for the LoRA language-model part (skipped without)"
-    )
-    experiment = commands.add_parser("experiment", help="run one of the papers' experiments")
-    experiment.add_argument("name", help="calibration, cold-posterior, continual or ood")
-    experiment.add_argument("--data-dir", required=True, help="folder holding the datasets")
-    experiment.add_argument("--out", required=True, help="output directory")
-    experiment.add_argument("--quick", action="store_true", help="CI-sized run (< 2 minutes)")
-    experiment.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    experiment.add_argument("--datasets", nargs="+", help="restrict to these datasets")
-    experiment.add_argument("--methods", nargs="+", help="restrict to these methods")
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from pyro_bdl.demo import run_demo
+    if args.command == "experiment" and len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"argument --seeds: each seed once, got {args.seeds}")
+    try:
+        if args.command == "demo":
+            from pyro_bdl.demo import run_demo
 
-        run_demo(args.out, seed=args.seed, quick=args.quick, data_dir=args.data_dir)
-    elif args.command == "experiment":
-        from pyro_bdl.experiments import run_experiment
+            run_demo(args.out, seed=args.seed, quick=args.quick, data_dir=args.data_dir)
+        else:
+            from pyro_bdl.experiments import run_experiment
 
-        run_experiment(
-            args.name,
-            data_dir=args.data_dir,
-            out=args.out,
-            quick=args.quick,
-            seeds=args.seeds,
-            datasets=args.datasets,
-            methods=args.methods,
-        )
+            run_experiment(
+                args.name,
+                data_dir=args.data_dir,
+                out=args.out,
+                quick=args.quick,
+                seeds=args.seeds,
+                datasets=args.datasets,
+                methods=args.methods,
+            )
+    except (ValueError, FileNotFoundError) as error:  # bad names, malformed data: one line
+        sys.exit(f"pyro-bdl: error: {error}")
 
 
 if __name__ == "__main__":

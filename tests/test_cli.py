@@ -1,0 +1,77 @@
+"""The ``pyro-bdl`` command: one-line errors for bad arguments, before any work."""
+
+import pytest
+
+import pyro_bdl
+from pyro_bdl.cli import main
+
+
+def _fails(capsys, argv, status=2):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == status or (status == 1 and isinstance(exit.value.code, str))
+    error = capsys.readouterr().err or str(exit.value.code)
+    assert error.strip().count("\n") == 0, error  # one line, no traceback, no usage
+    assert error.startswith("pyro-bdl")
+    return error
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pyro-bdl {pyro_bdl.__version__}"
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        ([], "command"),
+        (["train"], "invalid choice"),
+        (["experiment", "calibrate", "--data-dir", "{data}", "--out", "{out}"], "calibrate"),
+        (["experiment", "ood", "--data-dir", "/no/such/dir", "--out", "{out}"], "--data-dir"),
+        (["experiment", "ood", "--out", "{out}"], "--data-dir"),
+        (["experiment", "ood", "--data-dir", "{data}", "--out", "{data}/file"], "--out"),
+        (
+            ["experiment", "ood", "--data-dir", "{data}", "--out", "{out}", "--seeds", "-1"],
+            "--seeds",
+        ),
+        (
+            ["experiment", "ood", "--data-dir", "{data}", "--out", "{out}", "--seeds", "one"],
+            "--seeds",
+        ),
+        (
+            ["experiment", "ood", "--data-dir", "{data}", "--out", "{out}", "--seeds", "1", "1"],
+            "--seeds",
+        ),
+        (["experiment", "ood", "--data-dir", "{data}", "--out", "{out}", "--bogus"], "--bogus"),
+        (["demo", "--seed", "-3"], "--seed"),
+        (["demo", "--seed", "1.5"], "--seed"),
+        (["demo", "--data-dir", "/no/such/dir"], "--data-dir"),
+    ],
+)
+def test_bad_arguments_end_with_one_line_that_names_them(capsys, tmp_path, data_dir, argv, named):
+    (tmp_path / "data" / "file").write_text("not a directory")
+    argv = [a.format(data=data_dir, out=str(tmp_path / "out")) for a in argv]
+    error = _fails(capsys, argv)
+    assert named in error
+    assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.parametrize(
+    "option, value, named",
+    [("--datasets", "sst2", "--datasets"), ("--methods", "SGLD", "--methods")],
+)
+def test_unknown_datasets_and_methods_stop_before_any_work(
+    capsys, data_dir, tmp_path, option, value, named
+):
+    argv = ["experiment", "cold-posterior", "--data-dir", data_dir, "--out", str(tmp_path / "out")]
+    error = _fails(capsys, [*argv, option, value], status=1)
+    assert named in error and value in error
