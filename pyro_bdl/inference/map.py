@@ -8,6 +8,7 @@ weight decay (``pyro.optim.AdamW``) is ordinary regularised fine-tuning.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -102,6 +103,7 @@ def minimise(
     progress: bool,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The optimisation of :func:`fit_map`, returning the values and every step's loss."""
+    function("model", model, "a Pyro model (a callable)")
     num_steps = integer("num_steps", num_steps, low=0)
     if optimizer is not None:
         instance("optimizer", optimizer, pyro.optim.PyroOptim, "a pyro.optim optimiser or None")
@@ -114,7 +116,7 @@ def minimise(
     # Set the guide up without autograd: its prototype trace would otherwise keep the
     # graph, and so the activations, of a whole forward pass for the entire fit.
     first_args, first_kwargs = batches.peek()
-    with torch.no_grad():
+    with torch.no_grad(), _non_finite(0, optimizer):
         guide(*first_args, **first_kwargs)
     # data-parallel (torchrun): rank 0's start, gradients averaged at every step
     distributed.broadcast_([value for _, value in sorted(guide.named_parameters())])
@@ -124,14 +126,10 @@ def minimise(
     losses = []
     for _ in bar:
         step_args, step_kwargs = batches.next()
-        loss = svi.step(*step_args, **step_kwargs)
-        if not math.isfinite(loss):
-            _drop_params()
-            raise ValueError(
-                f"fit_map: the loss is {loss} at step {len(losses)}; the data, the prior or "
-                f"the learning rate ({_learning_rate(optimizer)}) is unusable: check the data "
-                "for NaN or inf, then lower the learning rate"
-            )
+        with _non_finite(len(losses), optimizer):
+            loss = svi.step(*step_args, **step_kwargs)
+            if not math.isfinite(loss):
+                raise ValueError("invalid values: the loss")
         losses.append(loss)
         bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
     with torch.no_grad():
@@ -173,6 +171,22 @@ def adam_at_prior_scale(
     """
     rates = {f"{_FitMapDelta.__name__}.{site}": fraction * s for site, s in prior_scales.items()}
     return pyro.optim.Adam(lambda name, param: {"lr": rates.get(name, point_lr)})
+
+
+@contextlib.contextmanager
+def _non_finite(step: int, optimizer: pyro.optim.PyroOptim | None):
+    """Name the cause when a NaN or inf reaches the loss or a distribution's parameter."""
+    try:
+        yield
+    except ValueError as error:
+        if "invalid values" not in str(error):  # Pyro's check of a distribution's parameter
+            raise
+        _drop_params()
+        raise ValueError(
+            f"fit_map: the loss is not finite at step {step}; the data, the prior or the "
+            f"learning rate ({_learning_rate(optimizer)}) is unusable: check the data for NaN "
+            f"or inf, then lower the learning rate. ({str(error).splitlines()[0]})"
+        ) from None
 
 
 def _learning_rate(optimizer: pyro.optim.PyroOptim | None) -> str:

@@ -30,7 +30,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from tqdm.auto import tqdm
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import instance, integer, real
+from pyro_bdl._checks import function, instance, integer, one_of, real
 from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
 from pyro_bdl.inference.laplace.jacobians import DenseGradient, ModelJacobians
@@ -117,14 +117,20 @@ class LaplaceGuide(AutoGuide):
         temperature: float = 1.0,
         init_loc_fn: Callable = init_to_module,
     ):
+        function("model", model, "a Pyro model (a callable)")
+        if not isinstance(curvature, (str, Curvature)):
+            raise TypeError(
+                "curvature must be a name such as 'kron' or a Curvature instance such as "
+                f"KronLowRank(rank=8), got {type(curvature).__name__}"
+            )
+        temperature = real("temperature", temperature, positive=True)
+        function("init_loc_fn", init_loc_fn, "a Pyro init strategy (site -> value)")
+        prior_precision = _checked_precision(prior_precision)
+        curvature = make_curvature(curvature)
         super().__init__(InitMessenger(init_loc_fn)(model))
         self._laplace_model = (model,)  # a tuple keeps nn.Module from registering it
-        self.curvature = make_curvature(curvature)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
-        self.temperature = float(temperature)
+        self.curvature = curvature
+        self.temperature = temperature
         self.init_loc_fn = init_loc_fn
         self._prior_precision_arg = prior_precision
         self._blocks = None
@@ -498,22 +504,31 @@ class LaplaceGuide(AutoGuide):
 
     @prior_precision.setter
     def prior_precision(self, value: PriorPrecision) -> None:
+        value = _checked_precision(value)
         precision = dict(self._model_precision)
         if isinstance(value, Mapping):
             unknown = [name for name in value if name not in precision]
             if unknown:
-                raise ValueError(f"prior_precision names unknown sites {unknown[:5]}")
+                raise ValueError(
+                    f"prior_precision names unknown sites {unknown[:5]}; the latent sites are "
+                    f"{list(precision)[:5]}"
+                )
             precision.update({name: torch.as_tensor(v) for name, v in value.items()})
         elif value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-                raise TypeError(
-                    f"prior_precision must be None, a number or a dict, got {type(value).__name__}"
-                )
             precision = {name: torch.as_tensor(value) for name in precision}
         checked = {}
         for name, delta in precision.items():
             like = self._sites[name]["value"]
             delta = delta.to(dtype=like.dtype, device=like.device)
+            try:
+                fits = torch.broadcast_shapes(delta.shape, like.shape) == like.shape
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise ValueError(
+                    f"prior_precision of {name!r} has shape {tuple(delta.shape)}, which does "
+                    f"not broadcast to the site's shape {tuple(like.shape)}"
+                )
             if not bool((delta > 0).all()) or not bool(torch.isfinite(delta).all()):
                 raise ValueError(
                     f"prior_precision of {name!r} must be positive and finite, got {delta}"
@@ -667,8 +682,12 @@ class LaplaceGuide(AutoGuide):
         :param generator: random generator for ``"mc"``.
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
-        if link not in LINKS:
-            raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+        one_of("link", link, LINKS)
+        num_samples = integer("num_samples", num_samples, low=1)
+        instance("return_samples", return_samples, bool, "True or False")
+        if generator is not None:
+            instance("generator", generator, torch.Generator, "a torch.Generator or None")
+        instance("progress", progress, bool, "True or False")
         if return_samples and link != "mc":
             raise ValueError(f"return_samples=True needs link='mc', got link={link!r}")
         delta = self._resolve(prior_precision)
@@ -716,6 +735,7 @@ class LaplaceGuide(AutoGuide):
     # -- evidence and prior precision ------------------------------------------------
 
     def _resolve(self, prior_precision: PriorPrecision) -> dict[str, torch.Tensor]:
+        self._check_fitted()
         if prior_precision is None:
             return self._prior_precision
         saved = self._prior_precision
@@ -836,6 +856,7 @@ class LaplaceGuide(AutoGuide):
 
         :param str prefix: the ``prefix`` of the :func:`~pyro_bdl.lift` call.
         """
+        instance("prefix", prefix, str, "a string (the prefix given to bdl.lift)")
         self._check_fitted()
         blocks = {name: block.restrict(name) for block in self._blocks for name in block.sites}
         loc = {name: value.clone() for name, value in self._loc.items()}
@@ -876,6 +897,32 @@ class LaplaceGuide(AutoGuide):
             "prior_precision": values.pop() if len(values) == 1 else precision,
             "log_marginal_likelihood": float(self.log_marginal_likelihood().detach()),
         }
+
+
+def _checked_precision(value: PriorPrecision) -> PriorPrecision:
+    """``prior_precision`` as far as it can be checked without the model."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        for name, delta in value.items():
+            instance("prior_precision's keys", name, str, "latent site names")
+            _check_delta(f"prior_precision[{name!r}]", delta)
+        return value
+    if torch.is_tensor(value) and value.numel() != 1:
+        raise TypeError(
+            f"prior_precision must be None, a number or a dict site -> number or tensor; a "
+            f"tensor of shape {tuple(value.shape)} belongs in the dict, under its site"
+        )
+    return real("prior_precision", value, positive=True)
+
+
+def _check_delta(name: str, delta: object) -> None:
+    if not (torch.is_tensor(delta) and delta.numel() > 1):
+        real(name, delta, positive=True)
+    elif not delta.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {delta.dtype}")
+    elif not bool((delta > 0).all()) or not bool(torch.isfinite(delta).all()):
+        raise ValueError(f"{name} must be positive and finite in every entry")
 
 
 def _link(link, mean, covariance, num_samples, generator) -> torch.Tensor:

@@ -120,12 +120,12 @@ def test_errors_name_the_argument_and_the_fix(helpers, linear_gaussian):
     problem = linear_gaussian
     with pytest.raises(ValueError, match="curvature must be one of"):
         LaplaceGuide(problem.model, curvature="kfac")
-    with pytest.raises(ValueError, match="temperature must be positive"):
+    with pytest.raises(ValueError, match="temperature must be a positive finite number"):
         LaplaceGuide(problem.model, temperature=0.0)
     guide = LaplaceGuide(problem.model)
     with pytest.raises(RuntimeError, match="fit"):
         guide.median()
-    with pytest.raises(ValueError, match="prior_precision of 'w' must be positive"):
+    with pytest.raises(ValueError, match="prior_precision must be a positive finite number"):
         LaplaceGuide(problem.model, prior_precision=-1.0).fit(
             problem.loader(), problem.num_data, map=False, progress=False
         )
