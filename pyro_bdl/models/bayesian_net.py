@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from pyro_bdl._checks import instance
 from pyro_bdl.lift import LiftedModule
 from pyro_bdl.models.heads import Classification
 
@@ -40,9 +41,14 @@ class BayesianNet:
                 f"BayesianNet: net must be a LiftedModule made by bdl.lift(module, ...), got "
                 f"{type(net).__name__}"
             )
+        if head is not None and not (hasattr(head, "logits") and hasattr(head, "observe")):
+            raise TypeError(
+                "BayesianNet: head must have logits(net, inputs) and observe(name, logits, "
+                f"batch, num_data), e.g. Classification(); got {type(head).__name__}"
+            )
         self.net = net
         self.head = Classification() if head is None else head
-        self.name = name
+        self.name = instance("name", name, str, "a site name (str)")
 
     def __call__(
         self, batch: Mapping[str, torch.Tensor], num_data: int | None = None

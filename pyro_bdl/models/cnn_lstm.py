@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pyro_bdl._checks import integer, real
 from pyro_bdl.lift import lift
 from pyro_bdl.models.bayesian_net import BayesianNet
 from pyro_bdl.models.heads import Classification
@@ -74,8 +75,9 @@ class CNNLSTM(nn.Module):
             "num_classes": num_classes,
         }
         for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CNNLSTM: {name} must be a positive int, got {value!r}")
+            integer(name, value, low=1)
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be at least 2, got {num_classes}")
         self.embedding = nn.Embedding(vocab_size, embedding_dim)
         self.conv = nn.Conv1d(embedding_dim, num_filters, kernel_size)
         self.pool = nn.MaxPool1d(pool_size)
@@ -89,6 +91,11 @@ class CNNLSTM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Class logits ``(B, num_classes)`` of word indices ``(B, L)``, front-padded with 0."""
+        if not torch.is_tensor(input_ids) or input_ids.is_floating_point():
+            raise TypeError(
+                "input_ids must be a tensor of word indices (torch.long), got "
+                f"{input_ids.dtype if torch.is_tensor(input_ids) else type(input_ids).__name__}"
+            )
         if input_ids.dim() != 2 or input_ids.shape[1] < self.min_length:
             raise ValueError(
                 f"CNNLSTM: input_ids must have shape (batch, length >= {self.min_length}), "
@@ -139,16 +146,13 @@ def cnn_lstm_model(
     :return: the Pyro model, a :class:`~pyro_bdl.models.BayesianNet` (``.net`` is the
         lifted CNN-LSTM).
     """
-    if isinstance(net, int) and not isinstance(net, bool):
-        net = CNNLSTM(vocab_size=net)
     if not isinstance(net, nn.Module):
-        raise TypeError(
-            f"cnn_lstm_model: net must be a CNNLSTM or a vocabulary size, got {type(net).__name__}"
-        )
+        net = CNNLSTM(vocab_size=integer("net", net, low=1))
+    prior_variance = real("prior_variance", prior_variance, positive=True)
     if prior is None:
-        if not (isinstance(prior_variance, (int, float)) and prior_variance > 0):
-            raise ValueError(
-                f"cnn_lstm_model: prior_variance must be a positive number, got {prior_variance!r}"
-            )
         prior = IIDNormal(scale=prior_variance**0.5)
+    elif prior_variance != 1 / 40:
+        raise ValueError(
+            f"cnn_lstm_model: pass prior_variance (got {prior_variance}) or prior, not both"
+        )
     return BayesianNet(lift(net, prior=prior), Classification())

@@ -77,9 +77,9 @@ def test_model_from_a_vocabulary_size_and_prior_variance():
 
 
 def test_errors_name_the_argument():
-    with pytest.raises(ValueError, match="prior_variance must be a positive number"):
+    with pytest.raises(ValueError, match="prior_variance must be a positive finite number"):
         cnn_lstm_model(100, prior_variance=0.0)
-    with pytest.raises(ValueError, match="vocab_size must be a positive int"):
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 1"):
         CNNLSTM(vocab_size=0)
     with pytest.raises(ValueError, match=r"length >= 8"):
         CNNLSTM(vocab_size=10)(torch.zeros(2, 7, dtype=torch.long))
