@@ -255,3 +255,56 @@ def test_a_module_that_cannot_be_vectorised_names_the_way_out():
         pyro.poutine.condition(net, data={**draws, "linear.weight": torch.randn(4, 3)})(
             torch.randn(5, 3)
         )
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.out = torch.nn.Linear(3, 5, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(self.embed(ids))
+
+
+def _frozen_mlp():
+    module = _mlp()
+    module.requires_grad_(False)
+    return module
+
+
+LIFT = [
+    ({"module": "mlp"}, TypeError, "module must be a torch.nn.Module"),
+    ({"module": _frozen_mlp()}, ValueError, "has no trainable parameters"),
+    ({"prior": bdl.priors.IIDNormal}, TypeError, "prior must be a prior object.*pass an instance"),
+    ({"prior": 0.2}, TypeError, "prior must be a prior object"),
+    ({"random": 3}, TypeError, "random must be a substring"),
+    ({"random": [0, 1]}, TypeError, "random must be a substring"),
+    ({"random": "lora_"}, ValueError, "random='lora_' matches no trainable"),
+    ({"random": lambda name, p: False}, ValueError, "random=.* matches no trainable"),
+    ({"random": ["0.weight", "9.weight"]}, ValueError, r"random names .*\['9.weight'\]"),
+    ({"point": "head"}, ValueError, "point='head' matches no trainable"),
+    ({"frozen": "lstm"}, ValueError, "frozen='lstm' matches no trainable"),
+    ({"random": "bias", "point": "0."}, ValueError, "both random and point"),
+    ({"point": "bias", "frozen": "0."}, ValueError, "both point and frozen"),
+    ({"prefix": 1}, TypeError, "prefix must be a string"),
+    (
+        {"module": _Tied(), "random": ["out.weight"]},
+        ValueError,
+        r"tied .*'out.weight': 'embed.weight'",
+    ),
+]
+
+
+@pytest.mark.parametrize("options, error, message", LIFT, ids=str)
+def test_lift_bad_inputs(options, error, message):
+    arguments = {"module": _mlp(), **options}
+    with pytest.raises(error, match=message):
+        bdl.lift(arguments.pop("module"), **arguments)
+
+
+def test_a_prior_assigned_later_is_checked_too():
+    net = bdl.lift(_mlp())
+    with pytest.raises(TypeError, match="prior must be a prior object"):
+        net.prior = "normal"
