@@ -8,6 +8,7 @@ does not provide (BoolQ, the books) are cut deterministically from a seed or a f
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pyro_bdl._checks import instance, integer, one_of, probability
 from pyro_bdl.data.readers import (
     Row,
     find_file,
@@ -43,8 +45,7 @@ def _label(value: Any, labels: Mapping[str, int], field: str = "label") -> int:
 
 
 def _check_fraction(test_fraction: float) -> None:
-    if not 0 < test_fraction < 1:
-        raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction}")
+    probability("test_fraction", test_fraction, open_low=True, open_high=True)
 
 
 def _text_record(row: dict, field: str) -> Record:
@@ -457,17 +458,31 @@ def load(
     :raises ValueError: for an unknown name, split or option, or a malformed file.
     :raises FileNotFoundError: when a file is missing, naming what was expected.
     """
-    if name not in _SOURCES:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+    one_of("name", name, DATASETS)
+    if not isinstance(data_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"data_dir must be a path (str or pathlib.Path), got {type(data_dir).__name__}"
+        )
     source = _SOURCES[name]
-    if split not in source.splits:
-        raise ValueError(f"{name} has no split {split!r}; valid splits: {', '.join(source.splits)}")
+    if not isinstance(split, str) or split not in source.splits:
+        raise ValueError(
+            f"split: {name} has no split {split!r}; valid splits: {', '.join(source.splits)}"
+        )
+    seed = integer("seed", seed, low=0)
+    if limit is not None:
+        limit = integer("limit", limit, low=1)
+    if num_choices is not None:
+        num_choices = integer("num_choices", num_choices, low=2)
     unknown = sorted(set(options) - set(source.options))
     if unknown:
         accepted = ", ".join(source.options) or "no dataset options"
         raise ValueError(
             f"{name} got unknown option(s) {', '.join(unknown)}; it accepts {accepted}"
         )
+    if "test_fraction" in options:
+        _check_fraction(options["test_fraction"])
+    if "language" in options:
+        instance("language", options["language"], str, "a FLORES language code like 'eng_Latn'")
     if num_choices is not None and not source.multiple_choice:
         raise ValueError(f"num_choices applies to multiple-choice datasets only, not {name}")
     if source.seeded:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from pyro_bdl._checks import function, instance, integer
+
 
 def make_loader(
     dataset: Dataset,
@@ -38,8 +40,15 @@ def make_loader(
     :param kwargs: passed to :class:`~torch.utils.data.DataLoader` (``drop_last``,
         ``num_workers``, ...).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(
+            "dataset must be a sized, indexable dataset such as load(...) returns, got "
+            f"{type(dataset).__name__}"
+        )
+    function("collate", collate, "a collator (records -> batch), e.g. ClassificationCollator")
+    batch_size = integer("batch_size", batch_size, low=1)
+    instance("shuffle", shuffle, bool, "True or False")
+    seed = integer("seed", seed, low=0)
     generator = torch.Generator().manual_seed(seed)
     return DataLoader(
         dataset,

@@ -27,7 +27,11 @@ _QUESTION_FIELD = {
     "arc_challenge": "question",
     "obqa": "question",
 }
-_PROMPTED = (*_QUESTION_FIELD, "boolq")
+#: The datasets with (context, choice) pairs for encoders.
+MULTIPLE_CHOICE: tuple[str, ...] = tuple(_QUESTION_FIELD)
+#: The datasets with a causal-LM prompt template.
+PROMPTED: tuple[str, ...] = (*_QUESTION_FIELD, "boolq")
+_PROMPTED = PROMPTED
 _SELECT = "Select one of the choices that answers the following question: "
 _TRUE_FALSE = "Answer the question with only True or False: "
 

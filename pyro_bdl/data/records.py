@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from pyro_bdl._checks import integer
+
 Record = dict[str, Any]
 
 
@@ -57,12 +59,20 @@ class RecordDataset(Dataset):
         :param int seed: seed of the random selection.
         :return: a new dataset with ``min(n, len(self))`` records.
         """
-        if n < 1:
-            raise ValueError(f"subset size n must be a positive integer, got {n}")
+        n = integer("n", n, low=1)
+        seed = integer("seed", seed, low=0)
         chosen = random.Random(seed).sample(range(len(self)), min(n, len(self)))
         return RecordDataset([self._records[i] for i in sorted(chosen)])
 
 
 def labels_tensor(records: Sequence[Record]) -> torch.Tensor:
     """The ``label`` of each record as a ``(B,)`` ``torch.long`` tensor, for collators."""
+    if not records:
+        raise ValueError("records: a batch needs at least one record, got none")
+    unlabelled = [i for i, record in enumerate(records) if "label" not in record]
+    if unlabelled:
+        raise ValueError(
+            f"records {unlabelled[:5]} of the batch have no 'label' (fields: "
+            f"{', '.join(records[unlabelled[0]])}); records come from pyro_bdl.data.load"
+        )
     return torch.tensor([record["label"] for record in records], dtype=torch.long)

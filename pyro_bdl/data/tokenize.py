@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from pyro_bdl.data.prompts import choice_pairs, format_prompt
+from pyro_bdl._checks import function, instance, integer, one_of
+from pyro_bdl.data.prompts import MULTIPLE_CHOICE, PROMPTED, choice_pairs, format_prompt
 from pyro_bdl.data.records import Record, labels_tensor
 
 Batch = dict[str, torch.Tensor]
@@ -23,6 +24,14 @@ _MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 def _model_inputs(encoding: Any) -> Batch:
     """The tensors a model takes from a tokenizer's output, as int64."""
     return {key: encoding[key].long() for key in _MODEL_INPUTS if key in encoding}
+
+
+def _check_records(records: Sequence[Record]) -> None:
+    if isinstance(records, dict) or not records:
+        raise ValueError(
+            "records must be a non-empty list of records (dicts from pyro_bdl.data.load), got "
+            f"{'an empty list' if not records else 'a single dict'}"
+        )
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -62,13 +71,17 @@ class ClassificationCollator:
     def __init__(
         self, tokenizer: Any, max_length: int = 128, text_fields: Sequence[str] = ("text",)
     ):
-        if len(text_fields) not in (1, 2):
+        function("tokenizer", tokenizer, "a Hugging Face tokenizer")
+        if isinstance(text_fields, str):
+            text_fields = (text_fields,)
+        if len(text_fields) not in (1, 2) or not all(isinstance(f, str) for f in text_fields):
             raise ValueError(f"text_fields must name one or two fields, got {text_fields!r}")
         self.tokenizer = tokenizer
-        self.max_length = max_length
+        self.max_length = integer("max_length", max_length, low=1)
         self.text_fields = tuple(text_fields)
 
     def __call__(self, records: Sequence[Record]) -> Batch:
+        _check_records(records)
         absent = [field for field in self.text_fields if field not in records[0]]
         if absent:
             raise ValueError(
@@ -106,11 +119,13 @@ class MultipleChoiceCollator:
     """
 
     def __init__(self, tokenizer: Any, dataset_name: str, max_length: int = 128):
+        function("tokenizer", tokenizer, "a Hugging Face tokenizer")
         self.tokenizer = tokenizer
-        self.dataset_name = dataset_name
-        self.max_length = max_length
+        self.dataset_name = one_of("dataset_name", dataset_name, MULTIPLE_CHOICE)
+        self.max_length = integer("max_length", max_length, low=1)
 
     def __call__(self, records: Sequence[Record]) -> Batch:
+        _check_records(records)
         pairs = [choice_pairs(record, self.dataset_name) for record in records]
         counts = sorted({len(choices) for choices in pairs})
         if len(counts) > 1:
@@ -200,12 +215,14 @@ class CausalMultipleChoiceCollator:
     """
 
     def __init__(self, tokenizer: Any, dataset_name: str, max_length: int = 512):
+        function("tokenizer", tokenizer, "a Hugging Face tokenizer")
         self.tokenizer = tokenizer
-        self.dataset_name = dataset_name
-        self.max_length = max_length
+        self.dataset_name = one_of("dataset_name", dataset_name, PROMPTED)
+        self.max_length = integer("max_length", max_length, low=1)
         self.pad_id = _pad_id(tokenizer)
 
     def __call__(self, records: Sequence[Record]) -> Batch:
+        _check_records(records)
         prompts = [format_prompt(record, self.dataset_name) for record in records]
         # verbose=False: the full prompt may exceed model_max_length before it is cut here.
         encoding = self.tokenizer(prompts, return_special_tokens_mask=True, verbose=False)
@@ -242,11 +259,13 @@ class TokenWindows(Dataset):
     """
 
     def __init__(self, tokens: torch.Tensor, window: int, stride: int | None = None):
-        stride = window if stride is None else stride
-        if window < 1 or not 1 <= stride <= window:
-            raise ValueError(
-                f"need window >= 1 and 1 <= stride <= window, got window={window}, stride={stride}"
+        if not torch.is_tensor(tokens) or tokens.dim() != 1 or tokens.is_floating_point():
+            raise TypeError(
+                "tokens must be a 1-D tensor of token ids, got "
+                f"{tuple(tokens.shape) if torch.is_tensor(tokens) else type(tokens).__name__}"
             )
+        window = integer("window", window, low=1)
+        stride = window if stride is None else integer("stride", stride, low=1, high=window)
         if len(tokens) == 0:
             raise ValueError("cannot cut windows from an empty token sequence")
         self.tokens = tokens
@@ -280,6 +299,8 @@ def token_windows(
     :param int window: tokens per window.
     :param int stride: tokens between window starts; less than ``window`` overlaps them.
     """
+    instance("text", text, str, "a string (e.g. a book's text)")
+    function("tokenizer", tokenizer, "a Hugging Face tokenizer")
     # verbose=False: a whole book is far longer than model_max_length, by design.
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     return TokenWindows(torch.tensor(ids, dtype=torch.long), window, stride)
@@ -300,6 +321,11 @@ class CausalLMCollator:
         self.pad_id = _pad_id(tokenizer)
 
     def __call__(self, items: Sequence[dict[str, torch.Tensor]]) -> Batch:
+        if not items or not all(isinstance(item, dict) and "input_ids" in item for item in items):
+            raise ValueError(
+                "items must be a non-empty list of {'input_ids': tensor} windows, as "
+                "TokenWindows gives them"
+            )
         length = max(len(item["input_ids"]) for item in items)
         input_ids = torch.full((len(items), length), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(items), length), dtype=torch.long)

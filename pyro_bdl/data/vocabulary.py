@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pyro_bdl._checks import instance, integer
 from pyro_bdl.data.records import Record, labels_tensor
 
 PAD = 0
@@ -39,6 +40,7 @@ def split_words(text: str) -> list[str]:
 
     :param str text: the text.
     """
+    instance("text", text, str, "a string")
     return _WORD.findall(_BREAK.sub(" ", text).lower())
 
 
@@ -62,6 +64,10 @@ class WordVocabulary:
     """
 
     def __init__(self, words: Sequence[str]):
+        if isinstance(words, str) or not all(isinstance(word, str) for word in words):
+            raise TypeError("words must be a list of strings, the words of indices 2, 3, ...")
+        if len(set(words)) != len(words):
+            raise ValueError("words must be distinct: each word has one index")
         self.words = list(words)
         self.index = {word: i for i, word in enumerate(self.words, start=_RESERVED)}
 
@@ -76,10 +82,9 @@ class WordVocabulary:
         :param texts: the training texts, e.g. ``(r["text"] for r in load("imdb", d, "train"))``.
         :param int vocab_size: indices in all, the two reserved ones included.
         """
-        if vocab_size <= _RESERVED:
-            raise ValueError(
-                f"vocab_size must exceed the {_RESERVED} reserved indices, got {vocab_size}"
-            )
+        if isinstance(texts, str):
+            raise TypeError("texts must be an iterable of texts, not one string")
+        vocab_size = integer("vocab_size", vocab_size, low=_RESERVED + 1)
         counts = Counter(word for text in texts for word in split_words(text))
         ranked = sorted(counts, key=lambda word: (-counts[word], word))
         return cls(ranked[: vocab_size - _RESERVED])
@@ -91,6 +96,7 @@ class WordVocabulary:
         :param str text: the text.
         :param int length: the sequence length (100 for the CNN-LSTM).
         """
+        length = integer("length", length, low=1)
         ids = [self.index.get(word, OOV) for word in split_words(text)][-length:]
         return [PAD] * (length - len(ids)) + ids
 
@@ -124,10 +130,14 @@ class WordCollator:
     """
 
     def __init__(self, vocabulary: WordVocabulary, length: int = 100):
-        self.vocabulary = vocabulary
-        self.length = length
+        self.vocabulary = instance(
+            "vocabulary", vocabulary, WordVocabulary, "a WordVocabulary (WordVocabulary.build)"
+        )
+        self.length = integer("length", length, low=1)
 
     def __call__(self, records: Sequence[Record]) -> dict[str, torch.Tensor]:
+        if isinstance(records, dict) or not records:
+            raise ValueError("records must be a non-empty list of records with 'text'")
         input_ids = [self.vocabulary.encode(record["text"], self.length) for record in records]
         return {
             "input_ids": torch.tensor(input_ids, dtype=torch.long),

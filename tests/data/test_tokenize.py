@@ -182,7 +182,7 @@ def test_window_starts(length, window, stride, starts):
 
 @pytest.mark.parametrize(("window", "stride"), [(0, None), (4, 5), (4, 0)])
 def test_window_arguments_are_checked(window, stride):
-    with pytest.raises(ValueError, match="need window >= 1 and 1 <= stride <= window"):
+    with pytest.raises(ValueError, match=r"(window|stride) must be an int"):
         TokenWindows(torch.arange(10), window, stride)
 
 

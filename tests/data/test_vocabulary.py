@@ -38,7 +38,7 @@ def test_encode_keeps_the_last_words_and_pads_in_front():
 
 
 def test_vocab_size_must_exceed_the_reserved_indices():
-    with pytest.raises(ValueError, match="vocab_size must exceed the 2 reserved indices, got 2"):
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 3, got 2"):
         WordVocabulary.build(["a"], vocab_size=2)
 
 
