@@ -77,18 +77,19 @@ def test_bad_selection_names_the_argument():
         bdl.lift(_mlp(), random=3)
 
 
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.out = torch.nn.Linear(3, 5, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(self.embed(ids))
+
+
 def test_tied_weights_stay_tied():
-    class Tied(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(5, 3)
-            self.out = torch.nn.Linear(3, 5, bias=False)
-            self.out.weight = self.embed.weight
-
-        def forward(self, ids):
-            return self.out(self.embed(ids))
-
-    module = Tied()
+    module = _Tied()
     net = bdl.lift(module)
     assert set(net.random_sites) == {"embed.weight"}
     weight = torch.randn(5, 3)
@@ -255,17 +256,6 @@ def test_a_module_that_cannot_be_vectorised_names_the_way_out():
         pyro.poutine.condition(net, data={**draws, "linear.weight": torch.randn(4, 3)})(
             torch.randn(5, 3)
         )
-
-
-class _Tied(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(5, 3)
-        self.out = torch.nn.Linear(3, 5, bias=False)
-        self.out.weight = self.embed.weight
-
-    def forward(self, ids):
-        return self.out(self.embed(ids))
 
 
 def _frozen_mlp():
