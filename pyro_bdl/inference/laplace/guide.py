@@ -311,7 +311,7 @@ class LaplaceGuide(AutoGuide):
         self.num_data = num_data
         self._jacobians = jacobians
         for block in self._blocks:
-            block.log_det(self._prior_precision)  # checks the prior suits the structure
+            block.check_prior(self._prior_precision)
         self._gradient = None if score is None else self._log_joint_gradient(score, self._loc)
 
     def _pass(self, model, batches, values, curvature, gradient, progress):

@@ -358,6 +358,7 @@ class ModelJacobians:
         # site -> whether its factored (linear or embedding) gradients passed the check
         self.factored_verified: dict[str, bool] = {}
         self._vmap_failed = False
+        self._batched_backward: bool | None = None  # whether a vmapped backward works
 
     def __call__(self, args: tuple, kwargs: dict, output: str = "observation") -> Linearization:
         """Run the model on one batch, recording what the gradients need.
@@ -418,22 +419,7 @@ class Linearization:
         factored_sites = self._factored_sites()
         calls = [c for c in self._calls if factored_sites & {c.weight_site, c.bias_site}]
         unverified = [s for s in factored_sites if s not in jacobians.factored_verified]
-        output_grads = [[] for _ in calls]
-        references = {}
-        for c in range(columns.shape[0] if calls else 0):
-            leaves = [jacobians.values[s] for s in unverified] if c == 0 else []
-            grads = torch.autograd.grad(
-                self.output,
-                [call.output for call in calls] + leaves,
-                columns[c],
-                retain_graph=True,
-                allow_unused=True,
-            )
-            for k, call in enumerate(calls):
-                grad = grads[k]
-                output_grads[k].append(torch.zeros_like(call.output) if grad is None else grad)
-            if c == 0:
-                references = dict(zip(unverified, grads[len(calls) :]))
+        output_grads, references = self._backward(calls, unverified, columns) if calls else ([], {})
         per_site = self._factored(factored_sites, calls, output_grads)
         for site, reference in references.items():
             summed = per_site[site].total(0)
@@ -447,6 +433,61 @@ class Linearization:
         if dense_sites:
             per_site.update(self._dense(dense_sites, columns))
         return per_site
+
+    def _backward(self, calls: list[_Call], leaves: list[str], columns: torch.Tensor):
+        """Every column's gradient at each call's output, and column 0's at the ``leaves``.
+
+        One backward pass for all columns (``is_grads_batched``: autograd vmapped over
+        the cotangents), or one per column where an operation has no batching rule. The
+        graph is released as the (last) pass goes, which lowers its peak memory.
+
+        :return: per call, the gradients ``(m, *output.shape)``; site -> leaf gradient.
+        """
+        jacobians = self._jacobians
+        targets = [call.output for call in calls] + [jacobians.values[s] for s in leaves]
+        if jacobians._batched_backward is not False:
+            try:
+                with warnings.catch_warnings():  # a batching rule looped over the columns
+                    warnings.filterwarnings("ignore", "There is a performance drop")
+                    grads = torch.autograd.grad(
+                        self.output,
+                        targets,
+                        columns,
+                        # until it has worked once, keep the graph for the fallback below
+                        retain_graph=jacobians._batched_backward is None,
+                        allow_unused=True,
+                        is_grads_batched=True,
+                    )
+            except RuntimeError:  # no batching rule for some backward: one pass per column
+                jacobians._batched_backward = False
+            else:
+                jacobians._batched_backward = True
+                per_call = [
+                    columns.new_zeros(len(columns), *call.output.shape) if grad is None else grad
+                    for call, grad in zip(calls, grads)
+                ]
+                first = [None if grad is None else grad[0] for grad in grads[len(calls) :]]
+                return per_call, dict(zip(leaves, first))
+        per_column = []
+        for c in range(len(columns)):
+            grads = torch.autograd.grad(
+                self.output,
+                targets if c == 0 else targets[: len(calls)],
+                columns[c],
+                retain_graph=c + 1 < len(columns),
+                allow_unused=True,
+            )
+            per_column.append(grads)
+        per_call = [
+            torch.stack(
+                [
+                    torch.zeros_like(call.output) if grads[k] is None else grads[k]
+                    for grads in per_column
+                ]
+            )
+            for k, call in enumerate(calls)
+        ]
+        return per_call, dict(zip(leaves, per_column[0][len(calls) :]))
 
     def _factored_sites(self) -> set[str]:
         """Sites whose every recorded use is a ``linear``/``embedding`` call over the batch."""
@@ -472,8 +513,7 @@ class Linearization:
         inputs: dict[str, list] = {}
         grads: dict[str, list] = {}
         kinds: dict[str, set] = {}
-        for call, grad in zip(calls, output_grads):
-            b = torch.stack(grad)
+        for call, b in zip(calls, output_grads):
             if call.kind == "conv":  # (m, B, C_out, *positions) -> positions before channels
                 b = b.flatten(3).transpose(2, 3)
             b = b.reshape(b.shape[0], batch, -1, b.shape[-1])

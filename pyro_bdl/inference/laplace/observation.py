@@ -149,7 +149,9 @@ class _Categorical:
     @staticmethod
     def score(base, f, y):
         probs = torch.softmax(f, -1)
-        return torch.nn.functional.one_hot(y.long(), f.shape[-1]).to(f.dtype) - probs
+        # not one_hot, whose range check of the labels is a device sync per batch
+        classes = torch.arange(f.shape[-1], device=f.device)
+        return (y.long().unsqueeze(-1) == classes).to(f.dtype) - probs
 
     @staticmethod
     def hessian_root(base, f):

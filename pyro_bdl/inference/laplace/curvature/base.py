@@ -46,6 +46,13 @@ class GaussianBlock:
         """:math:`\\log\\det P` of the block."""
         raise NotImplementedError
 
+    def check_prior(self, delta: Delta) -> None:
+        """Raise a ``ValueError`` if the prior precisions ``delta`` do not suit the block.
+
+        Structures that take any prior need not override it; it must not compute the
+        block's decomposition (a fit ends with this check, before anyone asks for one).
+        """
+
     def sample(self, noise: dict[str, torch.Tensor], delta: Delta) -> dict[str, torch.Tensor]:
         """:math:`R z` for standard normal ``noise`` shaped ``(S, *site_shape)``.
 

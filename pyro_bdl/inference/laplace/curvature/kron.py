@@ -21,6 +21,13 @@ its kernel gets the same factors (KFC, Grosse and Martens 2016, in the expand co
 curvlinops uses for convolutions). Sites that are not such weights (biases, norms,
 embeddings, plain sample sites) get a diagonal block (:class:`~.diagonal.DiagonalBlock`).
 
+Layers that read the same input (LoRA's query and value A) share one input factor. A
+factor whose side exceeds ``max_dense`` (the lm_head's vocabulary-sized output factor) is
+never formed densely: it is kept as a streaming sketch of rank ``rank`` (see
+:mod:`.factors`). A fit only accumulates; the eigendecompositions are computed when the
+evidence (eigenvalues only) or sampling and prediction (eigenvectors too) first ask, in
+batches of equal-sized factors, and cached.
+
 With eigendecompositions :math:`A = Q_A \Lambda_A Q_A^\top` and
 :math:`B = Q_B \Lambda_B Q_B^\top` (possibly truncated to :math:`k_A, k_B` columns, see
 :mod:`.kron_lowrank`) and a scalar prior precision :math:`\delta`, the posterior
@@ -56,8 +63,15 @@ import math
 import torch
 
 from pyro_bdl import distributed
+from pyro_bdl._checks import integer
 from pyro_bdl.inference.laplace.curvature.base import Curvature, Delta, GaussianBlock
 from pyro_bdl.inference.laplace.curvature.diagonal import DiagonalBlock
+from pyro_bdl.inference.laplace.curvature.factors import (
+    DenseFactor,
+    Eigen,
+    Eigensolver,
+    SketchFactor,
+)
 from pyro_bdl.inference.laplace.jacobians import LinearGradient
 
 __all__ = ["Kron", "KronBlock"]
@@ -67,22 +81,44 @@ class KronBlock(GaussianBlock):
     """Posterior precision :math:`A \\otimes B + \\delta I` of one linear weight.
 
     :param str site: the weight's site, shaped ``(d_out, d_in)``.
-    :param tuple input_factor: :math:`(Q_A, \\lambda_A)`, ``(d_in, k_A)`` and ``(k_A,)``.
-    :param tuple output_factor: :math:`(Q_B, \\lambda_B)`, ``(d_out, k_B)`` and ``(k_B,)``.
+    :param input_factor: :math:`(Q_A, \\lambda_A)`, ``(d_in, k_A)`` and ``(k_A,)``, or an
+        :class:`~.factors.Eigen` computed when first needed.
+    :param output_factor: :math:`(Q_B, \\lambda_B)`, ``(d_out, k_B)`` and ``(k_B,)``, or an
+        :class:`~.factors.Eigen`.
     :param shape: the site's shape if it is not ``(d_out, d_in)``: a convolution kernel
         ``(d_out, C_in, *kernel)`` with ``d_in = C_in * prod(kernel)``.
     """
 
-    def __init__(self, site: str, input_factor: tuple, output_factor: tuple, shape=None):
+    def __init__(self, site: str, input_factor, output_factor, shape=None):
         self.sites = (site,)
         self.site = site
-        self.input_vectors, self.input_values = input_factor
-        self.output_vectors, self.output_values = output_factor
-        self.matrix_shape = (self.output_vectors.shape[0], self.input_vectors.shape[0])
+        self.input_factor = _eigen(input_factor)
+        self.output_factor = _eigen(output_factor)
+        self.matrix_shape = (self.output_factor.dim, self.input_factor.dim)
         self.shape = torch.Size(shape or self.matrix_shape)
         self.shapes = {site: self.shape}
-        self.eigenvalues = self.output_values[:, None] * self.input_values[None, :]
-        self.complement = math.prod(self.shape) - self.eigenvalues.numel()
+        self.complement = math.prod(self.shape) - self.input_factor.rank * self.output_factor.rank
+
+    @property
+    def input_vectors(self) -> torch.Tensor:
+        return self.input_factor.vectors
+
+    @property
+    def input_values(self) -> torch.Tensor:
+        return self.input_factor.values
+
+    @property
+    def output_vectors(self) -> torch.Tensor:
+        return self.output_factor.vectors
+
+    @property
+    def output_values(self) -> torch.Tensor:
+        return self.output_factor.values
+
+    @property
+    def eigenvalues(self) -> torch.Tensor:
+        """:math:`\\lambda_B \\lambda_A^\\top`, ``(k_B, k_A)``."""
+        return self.output_values[:, None] * self.input_values[None, :]
 
     def _delta(self, delta: Delta) -> torch.Tensor:
         value = delta[self.site]
@@ -109,6 +145,9 @@ class KronBlock(GaussianBlock):
         if self.complement:
             result = result + delta**power * self._matrix(x)
         return result.reshape(x.shape)
+
+    def check_prior(self, delta):
+        self._delta(delta)
 
     def log_det(self, delta):
         delta = self._delta(delta)
@@ -168,27 +207,8 @@ class KronBlock(GaussianBlock):
         }
 
 
-class _DenseFactor:
-    """A Kronecker factor accumulated as a full ``d x d`` matrix."""
-
-    def __init__(self, dim: int, like: torch.Tensor):
-        self.sum = like.new_zeros(dim, dim)
-
-    def update(self, rows: torch.Tensor) -> None:
-        self.sum.addmm_(rows.mT, rows)
-
-    def add(self, gram: torch.Tensor) -> None:
-        self.sum += gram
-
-    def eigen(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        values, vectors = torch.linalg.eigh(self.sum * scale)
-        return vectors, values.clamp(min=0)
-
-    def numel(self) -> int:
-        return self.sum.numel()
-
-    def accumulators(self) -> list[torch.Tensor]:
-        return [self.sum]
+def _eigen(factor) -> Eigen:
+    return factor if isinstance(factor, Eigen) else Eigen(vectors=factor[0], values=factor[1])
 
 
 class Kron(Curvature):
@@ -202,67 +222,117 @@ class Kron(Curvature):
     :param str fisher: which curvature the factors approximate (``"ggn"``: the type-2
         K-FAC of Laplace-LoRA's GGN; ``"mc"``, ``"ef"``).
     :param int num_samples: labels drawn per example for ``fisher="mc"``.
+    :param int max_dense: the widest factor kept as a dense ``d x d`` matrix; wider ones
+        (an lm_head's vocabulary-sized output factor) are sketched at rank ``rank``.
+    :param int rank: the rank of the factors wider than ``max_dense``.
     """
 
     name = "kron"
 
+    def __init__(
+        self,
+        fisher: str = "ggn",
+        num_samples: int = 1,
+        *,
+        max_dense: int = 4096,
+        rank: int = 64,
+    ):
+        super().__init__(fisher, num_samples)
+        self.max_dense = integer("max_dense", max_dense, low=1)
+        self.rank = integer("rank", rank, low=1)
+
     def begin(self, values):
         super().begin(values)
-        self.factors: dict[str, tuple] = {}
+        self.inputs: dict[str, DenseFactor | SketchFactor] = {}
+        self.outputs: dict[str, DenseFactor | SketchFactor] = {}
         self.rows: dict[str, int] = {}
         self.diagonals: dict[str, torch.Tensor] = {}
+        self._numbers: dict[str, int] = {}
 
-    def _factor(self, dim: int, like: torch.Tensor):
-        return _DenseFactor(dim, like)
+    def _factor(self, dim: int, like: torch.Tensor) -> DenseFactor | SketchFactor:
+        if dim <= self.max_dense:
+            return DenseFactor(dim, like)
+        return SketchFactor(dim, like, self.rank, seed=len(self.inputs) + len(self.outputs))
 
     def update(self, grads):
-        # Layers that read the same input (LoRA's query and value A) share one input Gram.
-        input_grams: dict[tuple, torch.Tensor] = {}
+        inputs = {}
         for site, grad in grads.items():
             factored = isinstance(grad, LinearGradient) and grad.inputs is not None
-            if factored != (site in self.factors) and (site in self.factors or site in self.rows):
+            if factored != (site in self.outputs) and site in self.rows:
                 raise RuntimeError(f"site {site!r} changed from factored to dense between batches")
             if not factored:
                 self.diagonals[site] = self.diagonals.get(site, 0) + grad.sum_of_squares()
                 self.rows[site] = 0
                 continue
             d_in, d_out = grad.inputs.shape[-1], grad.output_grads.shape[-1]
-            if site not in self.factors:
-                like = self.values[site]
-                self.factors[site] = (self._factor(d_in, like), self._factor(d_out, like))
+            if site not in self.outputs:
+                self.outputs[site] = self._factor(d_out, self.values[site])
                 self.rows[site] = 0
-            inputs, outputs = self.factors[site]
-            a = grad.inputs.reshape(-1, d_in)
-            if isinstance(inputs, _DenseFactor):
-                key = (a.data_ptr(), a.shape, a.stride())
-                if key not in input_grams:
-                    input_grams[key] = a.mT @ a
-                inputs.add(input_grams[key])
-            else:
-                inputs.update(a)
-            outputs.update(grad.output_grads.reshape(-1, d_out))
-            self.rows[site] += a.shape[0]
+            self.outputs[site].update(grad.output_grads.reshape(-1, d_out))
+            inputs[site] = grad.inputs.reshape(-1, d_in)
+            self.rows[site] += inputs[site].shape[0]
+        self._update_inputs(inputs)
+
+    def _update_inputs(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Add each batch's input Gram once per distinct input, shared by its readers.
+
+        Layers reading the same tensor (LoRA's query and value A) keep one factor; one
+        whose input stops being shared gets its own copy of the sum so far.
+        """
+        groups: dict[tuple, list[str]] = {}
+        for site, a in inputs.items():
+            groups.setdefault((a.data_ptr(), a.shape, a.stride(), a.dtype), []).append(site)
+        readers: dict[int, list[str]] = {}
+        for site, factor in self.inputs.items():
+            readers.setdefault(id(factor), []).append(site)
+        for sites in groups.values():
+            a = inputs[sites[0]]
+            new = [site for site in sites if site not in self.inputs]
+            if new:
+                factor = self._factor(a.shape[1], self.values[new[0]])
+                self.inputs.update(dict.fromkeys(new, factor))
+                readers[id(factor)] = new
+            updated = set()
+            for site in sites:
+                factor = self.inputs[site]
+                if id(factor) in updated:
+                    continue
+                sharing = readers[id(factor)]
+                if not set(sharing) <= set(sites):  # some readers read another input now
+                    factor = factor.copy()
+                    moved = [other for other in sharing if other in sites]
+                    self.inputs.update(dict.fromkeys(moved, factor))
+                    readers[id(factor)] = moved
+                factor.update(a)
+                updated.add(id(factor))
 
     def blocks(self, scale):
-        blocks = []
+        # Shared input factors are decomposed once; every dense factor waits for the first
+        # question that needs its eigendecomposition, then all go in batches.
+        solver, eigens, blocks = Eigensolver(), {}, []
+        self._numbers = self.memory()
+
+        def eigen(factor, factor_scale):
+            if id(factor) not in eigens:
+                eigens[id(factor)] = factor.eigen(solver, factor_scale)
+            return eigens[id(factor)]
+
         for site in self.values:
-            if site in self.factors:
-                inputs, outputs = self.factors[site]
-                rows = max(self.rows[site], 1)
-                input_factor, output_factor = inputs.eigen(1 / rows), outputs.eigen(scale)
+            if site in self.outputs:
+                input_factor = eigen(self.inputs[site], 1 / max(self.rows[site], 1))
+                output_factor = eigen(self.outputs[site], scale)
                 shape = self.values[site].shape
                 blocks.append(KronBlock(site, input_factor, output_factor, shape))
             else:
                 blocks.append(DiagonalBlock(site, self.diagonals[site] * scale))
+        # The blocks own the sums now (released once eigendecomposed).
+        self.inputs, self.outputs = {}, {}
         return blocks
 
-    def memory(self) -> dict[str, int]:
-        """Numbers held per factored site during accumulation (inputs + outputs factor)."""
-        return {site: a.numel() + b.numel() for site, (a, b) in self.factors.items()}
-
     def accumulators(self):
-        factors = [factor for pair in self.factors.values() for factor in pair]
-        return [t for factor in factors for t in factor.accumulators()] + [
+        # each factor once: layers sharing an input share its sum
+        factors = {id(f): f for f in (*self.inputs.values(), *self.outputs.values())}
+        return [f.accumulator for f in factors.values()] + [
             total for total in self.diagonals.values() if torch.is_tensor(total)
         ]
 
@@ -274,3 +344,15 @@ class Kron(Curvature):
         rows = torch.tensor([float(self.rows[site]) for site in sites], dtype=torch.float64)
         distributed.all_reduce_([*self.accumulators(), rows])
         self.rows = {site: round(count) for site, count in zip(sites, rows.tolist())}
+
+    def memory(self) -> dict[str, int]:
+        """Numbers held per factored site during accumulation (inputs + outputs factor)."""
+        if not self.outputs:
+            return dict(self._numbers)
+        return {site: self.inputs[site].numel() + b.numel() for site, b in self.outputs.items()}
+
+    def hyperparameters(self):
+        return {**super().hyperparameters(), "max_dense": self.max_dense, "rank": self.rank}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(fisher={self.fisher!r}, max_dense={self.max_dense})"

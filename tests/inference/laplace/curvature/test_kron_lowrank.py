@@ -47,6 +47,7 @@ def test_incremental_svd_is_exact_when_the_data_have_rank_k(helpers):
 
 def test_memory_is_k_times_the_layer_widths(helpers):
     rank = 4
+    sketch = 2 * rank + 8  # columns of the Nystrom sketch of a factor wider than k
     torch.manual_seed(0)
     network = torch.nn.Sequential(
         torch.nn.Linear(40, 30, bias=False), torch.nn.Tanh(), torch.nn.Linear(30, 3, bias=False)
@@ -56,10 +57,13 @@ def test_memory_is_k_times_the_layer_widths(helpers):
     kron = fit(helpers, network, Kron(), x, y)
     shapes = {"0.weight": (30, 40), "2.weight": (3, 30)}
     for site, (d_out, d_in) in shapes.items():
-        # a factor wider than k: U (d x k) and its k values; a narrower one: d x d <= k d
-        assert lowrank.curvature.memory()[site] <= rank * (d_in + d_out) + 2 * rank
+        # a factor wider than k: sketch and test matrix, 2 s d; a narrower one: d x d <= k d
+        assert lowrank.curvature.memory()[site] <= 2 * sketch * (d_in + d_out)
         assert kron.curvature.memory()[site] == d_in**2 + d_out**2
-    assert lowrank.curvature.memory()["0.weight"] == rank * (40 + 30) + 2 * rank
+    assert lowrank.curvature.memory()["0.weight"] == 2 * sketch * (40 + 30)
+    # what the fit keeps: k eigenpairs per wide factor
+    block = lowrank._blocks[0]
+    assert block.input_vectors.shape == (40, rank) and block.output_vectors.shape == (30, rank)
 
 
 def test_truncated_factors_give_the_same_covariance_factored_or_dense(helpers):
@@ -77,5 +81,5 @@ def test_truncated_factors_give_the_same_covariance_factored_or_dense(helpers):
 
 
 def test_rank_must_be_a_positive_int():
-    with pytest.raises(ValueError, match="rank must be a positive int"):
+    with pytest.raises(ValueError, match="rank must be an int >= 1"):
         KronLowRank(rank=0)
