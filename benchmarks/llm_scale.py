@@ -24,13 +24,14 @@ Sizes: ``tiny`` (a smoke test), ``wide`` and ``deep`` (the two CPU proxies of is
 wide reproduces the cost of large Kronecker factors, deep the per-site Python cost of a
 32-layer model), ``1b`` (TinyLlama-1.1B's shape) and ``7b`` (Llama-2-7B's).
 
-Memory. CUDA: ``torch.cuda.max_memory_allocated`` over the call, in total (the model
-included, as in the issue's table) and above what was allocated before it. CPU: the peak
-resident set size over the call, read from the kernel's own high-water mark (``VmHWM``,
-reset before the call through ``/proc/self/clear_refs``, Linux >= 4.0), after
-``malloc_trim(0)`` has handed freed heap pages back so that the reading before the call is
-what is held; "total" is the peak minus the resident size before the model was built (the
-interpreter and libraries), "above" the peak minus the resident size just before the call.
+Memory. CUDA: ``torch.cuda.max_memory_allocated`` over the call minus what was allocated
+just before it ("above"). CPU: the peak resident set size over the call, read from the
+kernel's own high-water mark (``VmHWM``, reset before the call through
+``/proc/self/clear_refs``, Linux >= 4.0), after ``malloc_trim(0)`` has handed freed heap
+pages back so that the reading before the call is what is held, minus that reading
+("above"). "total" adds the model's own memory (weights and adapters, measured when it was
+built: allocated on CUDA, resident on CPU, the interpreter and libraries excluded), as in
+the issue's table; the memory row compares totals.
 The high-water mark is exact, unlike a sampling thread, and sees every allocation, unlike
 tracemalloc (which does not see torch's). Without ``clear_refs`` (not Linux) a thread
 sampling ``VmRSS`` every millisecond is used instead.
@@ -143,12 +144,24 @@ class _Sampler(threading.Thread):
 
 
 class Memory:
-    """Peak memory of calls, in MiB: ``total`` (from ``origin``) and ``above`` (the call's)."""
+    """Peak memory of calls, in MiB: ``above`` what was held before, and ``total`` (plus
+    the model's own memory)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.origin = self._now()
+        self.model = 0.0
+
+    def _now(self) -> float:
         _release_freed_memory()
-        self.origin = 0 if self.cuda else _resident_kb("VmRSS") / 1024
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated() / 2**20
+        return _resident_kb("VmRSS") / 1024
+
+    def model_built(self) -> None:
+        """Mark the memory of the model (weights, adapters) as what every method holds."""
+        self.model = self._now() - self.origin
 
     @contextlib.contextmanager
     def measure(self, into: dict):
@@ -172,8 +185,10 @@ class Memory:
             peak = torch.cuda.max_memory_allocated() / 2**20
         else:
             peak = (_resident_kb("VmHWM") if sampler is None else sampler.stop()) / 1024
-        into["total"] = max(into.get("total", 0.0), peak - self.origin)
+        # total: the model plus the call's own peak, so that garbage a previous case left
+        # behind (freed but not returned to the system) is no one's cost
         into["above"] = max(into.get("above", 0.0), peak - before)
+        into["total"] = self.model + into["above"]
 
 
 # -- the model and the methods ---------------------------------------------------------
@@ -391,6 +406,7 @@ def main() -> None:
     pyro.set_rng_seed(args.seed)
     memory = Memory(device)
     lora, blob_model, loader = build(args)
+    memory.model_built()
     table = cases(args, lora, blob_model, loader, device)
     rows = [row for row in ROWS if not args.only or row.method in args.only]
     needed = list(dict.fromkeys(name for row in rows for name in (row.method, row.baseline)))

@@ -16,12 +16,14 @@ Minibatch examples see independent perturbations of A through flipout (eq. 12, s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
+from pyro_bdl._checks import instance, real
 from pyro_bdl.inference.vi.flipout import LoRAFlipout
 from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
 from pyro_bdl.lift import LiftedModule, init_to_module
@@ -43,19 +45,20 @@ class BLoBGuide(MeanFieldGuide):
     Per A: :math:`M` starts at the module's A (LoRA's own initialisation) and :math:`G` at
     :math:`\mathcal{U}[\epsilon/\sqrt{2}, \epsilon]` (Algorithm 1, Appendix B.1); draws are
     :math:`A = M + G^2 \circ E`. With ``flipout`` every forward of the model with a draw of
-    this guide (``SVI`` steps, ``Predictive(model, guide=guide)``,
-    :func:`~pyro_bdl.predict.predict_proba` with the guide) computes eq. 12 at the A
-    projections, with one noise matrix :math:`E` per forward and random signs per example
-    (per token for sequences).
+    this guide (``SVI`` and :class:`~pyro_bdl.inference.BLoBSVI` steps,
+    :func:`~pyro_bdl.predict.predict_proba` with the guide, a replay of its trace) computes
+    eq. 12 at the A projections, with one noise matrix :math:`E` per forward and random
+    signs per example (per token for sequences). Pyro's ``Predictive`` runs the model on
+    copies of the draws: there a batch shares one draw per sample, which leaves every
+    example's predictive distribution the same.
 
     The KL is the closed form of eq. 11 under ``TraceMeanField_ELBO``; the paper's training
     recipe (two optimisers, KL re-weighting) is :func:`~pyro_bdl.inference.fit_blob`.
     ``guide.median()`` is the mean weights, "BLoB (N=0)".
 
     .. note:: The flipout hooks sit on the peft model's LoRA A layers while the guide is
-        alive and ``flipout`` is on, and act on every forward whose A is a sampled value
-        around this guide's last mean. Set ``guide.flipout = False`` (or delete the
-        guide) before running other inference on the same peft model.
+        alive and ``flipout`` is on, and act only on forwards whose A is this guide's
+        latest draw: other inference on the same peft model is left alone.
 
     **References**
 
@@ -66,13 +69,14 @@ class BLoBGuide(MeanFieldGuide):
 
     Example::
 
-        guide = BLoBGuide(model, net, eps=0.05, prior_std=0.2)
+        guide = BLoBGuide(model, eps=0.05, prior_std=0.2)
         fit_blob(model, guide, train_loader, len(train_set), num_steps=5000)
         probs = predict_proba(model, batch, num_data, guide=guide, num_samples=10)
 
-    :param callable model: the Pyro model that calls ``net``.
-    :param LiftedModule net: the lifted peft model (default: ``model.net``, as
-        :class:`~pyro_bdl.models.BayesianNet` has it).
+    :param callable model: the Pyro model; it calls one or more lifted networks.
+    :param LiftedModule net: the lifted peft model. By default ``model.net`` (as
+        :class:`~pyro_bdl.models.BayesianNet` has it), or else the lifted networks the
+        model calls, found at the guide's first call (its prototype trace).
     :param float eps: :math:`\epsilon` of the initialisation of :math:`G` (Table 4: 0.05).
     :param float prior_std: :math:`\sigma_p`; if given, the network's prior becomes
         ``IIDNormal(prior_std)`` (Table 4: 0.2 for RoBERTa, 2 for Llama2); by default the
@@ -91,41 +95,60 @@ class BLoBGuide(MeanFieldGuide):
         flipout: bool = True,
         init_loc_fn: Callable = init_to_module,
     ):
-        net = net if net is not None else getattr(model, "net", None)
-        if not isinstance(net, LiftedModule):
-            raise TypeError(
-                "BLoBGuide: pass net=<the LiftedModule the model calls> (bdl.lift(peft_model, "
-                f"random='lora_A', point='lora_B')), got {type(net).__name__}"
-            )
-        if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and eps > 0):
-            raise ValueError(f"BLoBGuide: eps must be a positive number, got {eps!r}")
-        _check_asymmetric(net)
-        if prior_std is not None:
-            if isinstance(prior_std, bool) or not (
-                isinstance(prior_std, (int, float)) and prior_std > 0
-            ):
-                raise ValueError(f"BLoBGuide: prior_std must be positive, got {prior_std!r}")
-            net.prior = IIDNormal(prior_std)
-        self.eps = float(eps)
-        self.prior_std = prior_std
+        if net is None and isinstance(getattr(model, "net", None), LiftedModule):
+            net = model.net
+        if net is not None:
+            instance("net", net, LiftedModule, "a LiftedModule made by bdl.lift (or None)")
+        self.eps = real("eps", eps, positive=True)
+        self.prior_std = None if prior_std is None else real("prior_std", prior_std, positive=True)
+        self._flipout_on = instance("flipout", flipout, bool, "True or False")
+        self._flipouts: list[LoRAFlipout] = []
+        self._nets: list[LiftedModule] = []
         super().__init__(
-            model, init_loc_fn=init_loc_fn, init_scale=eps, scale_parametrization="square"
+            model, init_loc_fn=init_loc_fn, init_scale=self.eps, scale_parametrization="square"
         )
-        self._flipout = LoRAFlipout(net, net.random_sites)
-        weakref.finalize(self, self._flipout.detach)
-        self.flipout = flipout
+        if net is not None:
+            self._use(net)
+        # The hooks leave with the guide (a list, so that the finaliser holds no guide).
+        weakref.finalize(self, _detach_all, self._flipouts)
+
+    def _use(self, *nets: LiftedModule) -> None:
+        """Adopt the lifted networks: check the design, set the prior, hook flipout."""
+        for net in nets:
+            _check_asymmetric(net)
+        for net in nets:
+            if self.prior_std is not None:
+                net.prior = IIDNormal(self.prior_std)
+            self._nets.append(net)
+            self._flipouts.append(LoRAFlipout(net, net.random_sites))
+        self.flipout = self._flipout_on
+
+    def _setup_prototype(self, *args, **kwargs) -> None:
+        if self._nets:
+            super()._setup_prototype(*args, **kwargs)
+            return
+        with _recording_lifted_calls() as called:
+            super()._setup_prototype(*args, **kwargs)
+        if not called:
+            raise TypeError(
+                "BLoBGuide: the model called no network made by bdl.lift; lift the peft model "
+                "(bdl.lift(peft_model, random='lora_A', point='lora_B')) or pass net=<it>"
+            )
+        self._use(*called)
 
     @property
     def flipout(self) -> bool:
         """Whether flipout runs at the A projections; assign to switch it."""
-        return self._flipout.attached
+        return self._flipout_on
 
     @flipout.setter
     def flipout(self, enabled: bool) -> None:
-        if enabled:
-            self._flipout.attach()
-        else:
-            self._flipout.detach()
+        self._flipout_on = instance("flipout", enabled, bool, "True or False")
+        for flipout in self._flipouts:
+            if enabled:
+                flipout.attach()
+            else:
+                flipout.detach()
 
     def _init_scale_param(self, init_loc: torch.Tensor) -> torch.Tensor:
         # G ~ U[eps / sqrt(2), eps] (Algorithm 1, line 1), so Omega = G^2 starts in
@@ -133,14 +156,37 @@ class BLoBGuide(MeanFieldGuide):
         low = self.eps / math.sqrt(2)
         return torch.empty_like(init_loc).uniform_(low, self.eps)
 
-    def get_posterior(self, name: str) -> torch.distributions.Distribution:
-        posterior = super().get_posterior(name)
-        # The flipout hooks perturb around the mean of the draw the model is given.
-        self._flipout.means[name] = posterior.base_dist.loc
-        return posterior
+    def draw(self):
+        draws, locs, scales = super().draw()
+        for flipout in self._flipouts:  # the forwards with these draws get flipout
+            flipout.record(draws, locs)
+        return draws, locs, scales
 
     def hyperparameters(self) -> dict:
         return {"eps": self.eps, "prior_std": self.prior_std, "flipout": self.flipout}
+
+
+def _detach_all(flipouts: list[LoRAFlipout]) -> None:
+    for flipout in flipouts:
+        flipout.detach()
+
+
+@contextlib.contextmanager
+def _recording_lifted_calls() -> Iterator[list[LiftedModule]]:
+    """The lifted networks called inside the context, in the order of their first call."""
+    called: list[LiftedModule] = []
+    call = LiftedModule.__call__
+
+    def recording(net, *args, **kwargs):
+        if not any(net is seen for seen in called):
+            called.append(net)
+        return call(net, *args, **kwargs)
+
+    LiftedModule.__call__ = recording
+    try:
+        yield called
+    finally:
+        LiftedModule.__call__ = call
 
 
 def _check_asymmetric(net: LiftedModule) -> None:

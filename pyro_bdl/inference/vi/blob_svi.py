@@ -10,9 +10,25 @@ The reference implementation of BLoB takes one minibatch step in two parts:
    \mathrm{KL}` and :math:`G` with :math:`\nabla_G \ell + \lambda_i \nabla_G \mathrm{KL}`.
 
 Both learning rates warm up linearly over ``warmup_ratio`` of the steps and then decay
-linearly to zero. Relative to the minibatch ELBO (likelihood scaled by :math:`N/B`, KL
-weight 1 per epoch) this objective weighs the KL :math:`B` times more per epoch, as the
-reference code does.
+linearly to zero.
+
+How much this weighs the KL: the minibatch ELBO, divided by :math:`N` to put it in the
+same units (a mean NLL per example), is :math:`\ell + \mathrm{KL} / N` at every step. Here
+step :math:`i` has :math:`\ell + \lambda_i \mathrm{KL}`, with the weights summing to 1
+over a cycle of :math:`M = L^*/B` steps (eq. 70-71), so :math:`\lambda_i` is
+:math:`B / L^*` on average and the KL weighs, on average,
+
+.. math:: N \bar\lambda = \frac{N B}{L^*}
+
+times the ELBO's: :math:`B` times only when :math:`L^* = N`. With :math:`L^* = 100\,
+N^{\pi/\gamma}` and :math:`\gamma = 8` this is :math:`B N^{0.61} / 100` (e.g. 43 for
+:math:`N = 10^4`, :math:`B = 16`), as in the reference code. ``kl_weighting="uniform"``
+(:math:`\lambda_i = B/N`, :math:`M` the minibatches per epoch) weighs it :math:`B` times.
+
+The step runs the model once with the guide's fused draw of every A (no Pyro trace of
+the guide, no distribution object or KL per site), with the KL of all sites in one
+expression, optimisers over the guide's two flat tensors, and nothing read back from the
+device: the statistics it returns are tensors, read when the caller wants them.
 """
 
 from __future__ import annotations
@@ -22,13 +38,13 @@ from collections.abc import Callable
 
 import pyro
 import torch
-from pyro import poutine
 from pyro.distributions.util import scale_and_mask
+from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
-from torch.distributions import kl_divergence
 from tqdm.auto import trange
 
 from pyro_bdl import distributed
+from pyro_bdl._checks import function, instance, integer, one_of, probability, real
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.vi.kl_weights import (
     blob_kl_cycle,
@@ -90,24 +106,15 @@ class BLoBSVI:
         kl_weighting: str = "exponential",
         gamma: float = 8.0,
     ):
-        if not isinstance(guide, MeanFieldGuide):
-            raise TypeError(
-                f"BLoBSVI: guide must be a BLoBGuide or MeanFieldGuide, got {type(guide).__name__}"
-            )
-        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"BLoBSVI: num_steps must be a positive int, got {num_steps!r}")
-        for name, value in (("lr", lr), ("kl_lr", kl_lr), ("weight_decay", weight_decay)):
-            if not value >= 0:
-                raise ValueError(f"BLoBSVI: {name} must be >= 0, got {value!r}")
-        if not gamma > 0:
-            raise ValueError(f"BLoBSVI: gamma must be positive, got {gamma!r}")
-        if not 0 <= warmup_ratio < 1:
-            raise ValueError(f"BLoBSVI: warmup_ratio must be in [0, 1), got {warmup_ratio!r}")
-        if kl_weighting not in _KL_WEIGHTINGS:
-            raise ValueError(
-                f"BLoBSVI: kl_weighting must be one of {sorted(_KL_WEIGHTINGS)}, "
-                f"got {kl_weighting!r}"
-            )
+        function("model", model, "a Pyro model (a callable)")
+        instance("guide", guide, MeanFieldGuide, "a BLoBGuide or MeanFieldGuide")
+        num_steps = integer("num_steps", num_steps, low=1)
+        lr = real("lr", lr, non_negative=True)
+        kl_lr = real("kl_lr", kl_lr, non_negative=True)
+        weight_decay = real("weight_decay", weight_decay, non_negative=True)
+        warmup_ratio = probability("warmup_ratio", warmup_ratio, open_high=True)
+        one_of("kl_weighting", kl_weighting, _KL_WEIGHTINGS)
+        gamma = real("gamma", gamma, positive=True)
         self.model = model
         self.guide = guide
         self.num_steps = num_steps
@@ -123,26 +130,29 @@ class BLoBSVI:
         self._optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None = None
         self._schedulers: list[torch.optim.lr_scheduler.LambdaLR] = []
 
-    def step(self, *args, **kwargs) -> dict[str, float]:
+    def step(self, *args, **kwargs) -> dict[str, torch.Tensor | float]:
         """Take one step on the minibatch that ``args`` and ``kwargs`` hold.
 
-        :return: the step's mean NLL, its KL and its KL weight.
+        :return: the step's mean NLL and KL (0-d tensors on the model's device: reading
+            them, e.g. with ``float()``, waits for the device) and its KL weight.
         """
-        guide_trace = poutine.trace(self.guide).get_trace(*args, **kwargs)
-        model_trace = poutine.trace(poutine.replay(self.model, trace=guide_trace)).get_trace(
-            *args, **kwargs
-        )
+        self.guide._require_setup(*args, **kwargs)
+        draws, _, _ = self.guide.draw()
+        # The first step validates the model's distributions (labels in their support,
+        # ...); later steps skip the checks, each a device sync.
+        with pyro.validation_enabled(self._optimizers is None), _Substitute(draws) as run:
+            self.model(*args, **kwargs)
         if self._optimizers is None:
-            self._setup(guide_trace, model_trace)
+            self._setup(run)
         likelihood_optimizer, kl_optimizer = self._optimizers
 
-        nll = -_log_likelihood(model_trace) / self.num_data
+        nll = -_log_likelihood(run.observed) / self.num_data
         nll.backward()
         likelihood_optimizer.step()
         # G is not AdamW's: it keeps its NLL gradient for the SGD step below.
         likelihood_optimizer.zero_grad(set_to_none=True)
 
-        kl = self._kl(model_trace)
+        kl = self._kl(run.priors)
         kl_weight = _KL_WEIGHTINGS[self.kl_weighting](self.step_count, self.kl_cycle)
         (kl_weight * kl).backward()
         kl_optimizer.step()
@@ -151,28 +161,27 @@ class BLoBSVI:
         for scheduler in self._schedulers:
             scheduler.step()
         self.step_count += 1
-        return {"nll": nll.item(), "kl": kl.item(), "kl_weight": kl_weight}
+        return {"nll": nll.detach(), "kl": kl.detach(), "kl_weight": kl_weight}
 
-    def _setup(self, guide_trace: pyro.poutine.Trace, model_trace: pyro.poutine.Trace) -> None:
-        self.num_data, batch_size = _data_sizes(model_trace)
+    def _setup(self, run: _Substitute) -> None:
+        self.num_data, batch_size = _data_sizes(run.observed)
         if self.kl_weighting == "exponential":
             self.kl_cycle = blob_kl_cycle(self.num_data, batch_size, self.gamma)
         else:
             self.kl_cycle = math.ceil(self.num_data / batch_size)
-        locs, scale_params = self.guide.variational_parameters()
-        guide_params = {name for name, site in guide_trace.nodes.items() if site["type"] == "param"}
-        point_weights = [
-            site["value"].unconstrained()
-            for name, site in model_trace.nodes.items()
-            if site["type"] == "param" and name not in guide_params
-        ]
+        flat = self.guide.flat_parameters()
+        locs = [loc for loc, _ in flat]
+        scale_params = [raw for _, raw in flat]
+        store = pyro.get_param_store()
+        point_weights = [store.get_param(name).unconstrained() for name in run.params]
         likelihood_optimizer = torch.optim.AdamW(
-            [*locs.values(), *point_weights],
+            [*locs, *point_weights],
             lr=self.lr,
             eps=_ADAM_EPS,
             weight_decay=self.weight_decay,
+            foreach=True,
         )
-        kl_optimizer = torch.optim.SGD([*locs.values(), *scale_params.values()], lr=self.kl_lr)
+        kl_optimizer = torch.optim.SGD([*locs, *scale_params], lr=self.kl_lr, foreach=True)
         # data-parallel (torchrun): both optimisers average their gradients across ranks
         self._optimizers = tuple(
             map(distributed.average_gradients_at_each_step, (likelihood_optimizer, kl_optimizer))
@@ -191,19 +200,41 @@ class BLoBSVI:
             return step / max(1.0, warmup)
         return max(0.0, (self.num_steps - step) / max(1.0, self.num_steps - warmup))
 
-    def _kl(self, model_trace: pyro.poutine.Trace) -> torch.Tensor:
-        kl = 0.0
-        for name in self.guide.site_names:
-            prior = model_trace.nodes[name]["fn"]
-            try:
-                kl = kl + kl_divergence(self.guide.get_posterior(name), prior).sum()
-            except NotImplementedError:
-                raise ValueError(
-                    f"BLoBSVI: the prior of {name!r} is a {type(prior).__name__}, which has no "
-                    "closed-form KL from a Normal; BLoB's eq. 11 needs a Normal prior "
-                    "(e.g. bdl.priors.IIDNormal)"
-                ) from None
-        return kl
+    def _kl(self, priors: dict) -> torch.Tensor:
+        try:
+            return self.guide.kl(priors)
+        except ValueError as error:
+            raise ValueError(f"BLoBSVI: {error}; BLoB's eq. 11 needs it") from None
+
+
+class _Substitute(Messenger):
+    """Run a model with given values at its latent sites; keep what a BLoB step needs.
+
+    :ivar list observed: the observed sites (their messages, scale and mask included).
+    :ivar dict priors: latent site -> its prior distribution.
+    :ivar list params: the names of the ``pyro.param`` sites (point weights).
+    """
+
+    def __init__(self, values: dict[str, torch.Tensor]):
+        super().__init__()
+        self.values = values
+        self.observed: list[dict] = []
+        self.priors: dict = {}
+        self.params: list[str] = []
+
+    def _pyro_sample(self, msg: dict) -> None:
+        name = msg["name"]
+        if name in self.values and not msg["is_observed"]:
+            msg["value"] = self.values[name]
+            self.priors[name] = msg["fn"]
+
+    def _pyro_post_sample(self, msg: dict) -> None:
+        if msg["is_observed"] and not site_is_subsample(msg):
+            self.observed.append(msg)
+
+    def _pyro_param(self, msg: dict) -> None:
+        if msg["name"] not in self.params:
+            self.params.append(msg["name"])
 
 
 def fit_blob(
@@ -251,30 +282,26 @@ def fit_blob(
         gamma=gamma,
     )
     batches = Minibatches(args, kwargs)
-    history: dict[str, list[float]] = {"nll": [], "kl": [], "kl_weight": []}
+    records: list[dict] = []
     bar = trange(num_steps, desc="BLoB", disable=not progress, leave=False)
-    for _ in bar:
+    refresh = max(1, num_steps // 100)  # reading the statistics waits for the device
+    for step in bar:
         step_args, step_kwargs = batches.next()
-        for key, value in svi.step(*step_args, **step_kwargs).items():
-            history[key].append(value)
-        bar.set_postfix(
-            nll=f"{history['nll'][-1]:.4g}", kl=f"{history['kl'][-1]:.4g}", refresh=False
-        )
+        records.append(svi.step(*step_args, **step_kwargs))
+        if progress and (step % refresh == 0 or step == num_steps - 1):
+            record = records[-1]
+            bar.set_postfix(nll=f"{float(record['nll']):.4g}", kl=f"{float(record['kl']):.4g}")
+    history: dict[str, list[float]] = {
+        key: torch.stack([record[key] for record in records]).tolist() for key in ("nll", "kl")
+    }
+    history["kl_weight"] = [record["kl_weight"] for record in records]
     return history
 
 
-def _observed_sites(trace: pyro.poutine.Trace) -> list[dict]:
-    return [
-        site
-        for site in trace.nodes.values()
-        if site["type"] == "sample" and site["is_observed"] and not site_is_subsample(site)
-    ]
-
-
-def _log_likelihood(trace: pyro.poutine.Trace) -> torch.Tensor:
+def _log_likelihood(observed: list[dict]) -> torch.Tensor:
     """The minibatch log likelihood, scaled by N / B as ``bdl.observe`` asks."""
     total = 0.0
-    for site in _observed_sites(trace):
+    for site in observed:
         log_prob = site["fn"].log_prob(site["value"], *site["args"], **site["kwargs"])
         total = total + scale_and_mask(log_prob, site["scale"], site["mask"]).sum()
     if not torch.is_tensor(total):
@@ -285,9 +312,9 @@ def _log_likelihood(trace: pyro.poutine.Trace) -> torch.Tensor:
     return total
 
 
-def _data_sizes(trace: pyro.poutine.Trace) -> tuple[int, int]:
+def _data_sizes(observed: list[dict]) -> tuple[int, int]:
     """The data-set size N and the minibatch size B of the observed plate."""
-    for site in _observed_sites(trace):
+    for site in observed:
         for frame in site["cond_indep_stack"]:
             if frame.full_size:
                 return frame.full_size, frame.size

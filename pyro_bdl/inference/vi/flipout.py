@@ -11,9 +11,10 @@ decorrelates the examples, for the price of one extra low-rank product (eq. 12 a
     Z = W_0 H + B\big(M H + [(E \circ \Omega)(H \circ S)] \circ T\big).
 
 :class:`LoRAFlipout` computes the bracket at the LoRA A projection of a peft model with a
-forward hook, so no per-example weight is ever formed. The hook acts on forwards whose A is
-a sampled value put in place by :func:`torch.func.functional_call` (a lifted network's
-sample site); forwards with the module's own weight (``net.fixed(...)``) are left alone.
+forward hook, so no per-example weight is ever formed. The hook acts only on forwards whose A is
+the guide's latest draw, put in place by :func:`torch.func.functional_call` (a lifted
+network's sample site): forwards with the module's own weight (``net.fixed(...)``) and
+other inference on the same network (a Laplace fit, SGMCMC) are left alone.
 """
 
 from __future__ import annotations
@@ -54,16 +55,18 @@ def _rademacher(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
 class LoRAFlipout:
     """Forward hooks that run :func:`flipout_linear` at the LoRA A layers of a lifted network.
 
-    The guide that samples A records, at each draw, the mean :math:`M` it sampled around
-    in :attr:`means`; a hooked forward then uses :math:`\\Delta A = A - M`. Until a mean is
-    recorded, or for a forward with the module's own weight, a layer runs unchanged.
+    The guide that samples A records each draw and the mean :math:`M` it sampled around
+    (:meth:`record`); a forward whose A *is* that draw then uses :math:`\\Delta A = A - M`.
+    Every other forward (the module's own weight, a value from elsewhere) runs unchanged.
 
     :param LiftedModule net: the lifted peft model.
     :param sites: the random sites whose weights are LoRA A matrices.
-    :ivar dict means: site -> the mean of the current draw.
+    :ivar dict draws: site -> the guide's latest draw.
+    :ivar dict means: site -> the mean of that draw.
     """
 
     def __init__(self, net: LiftedModule, sites: Iterable[str]):
+        self.draws: dict[str, torch.Tensor] = {}
         self.means: dict[str, torch.Tensor] = {}
         self._layers = {}
         for site in sites:
@@ -80,6 +83,10 @@ class LoRAFlipout:
             self._layers[site] = layer
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
+    def record(self, draws: dict[str, torch.Tensor], means: dict[str, torch.Tensor]) -> None:
+        """Remember a draw of every site (and its means): the forwards flipout acts on."""
+        self.draws, self.means = draws, means
+
     @property
     def attached(self) -> bool:
         """Whether the hooks are registered."""
@@ -90,7 +97,7 @@ class LoRAFlipout:
         if self._handles:
             return
         for site, layer in self._layers.items():
-            self._handles.append(layer.register_forward_hook(self._hook(site, layer.weight)))
+            self._handles.append(layer.register_forward_hook(self._hook(site)))
 
     def detach(self) -> None:
         """Remove the hooks: every layer runs as plain LoRA again."""
@@ -98,13 +105,14 @@ class LoRAFlipout:
             handle.remove()
         self._handles.clear()
 
-    def _hook(self, site: str, own_weight: torch.nn.Parameter):
+    def _hook(self, site: str):
         def flipout(layer: torch.nn.Linear, inputs: tuple, output: torch.Tensor):
-            mean = self.means.get(site)
-            if mean is None or layer.weight is own_weight:
+            weight = layer.weight
+            if weight is not self.draws.get(site):
                 return None
+            mean = self.means[site]
             # The layer's own product is discarded; recomputing it around M keeps the
             # hook independent of peft's forward, for one r x n product (LoRA-sized).
-            return flipout_linear(inputs[0], mean, layer.weight - mean)
+            return flipout_linear(inputs[0], mean, weight - mean)
 
         return flipout

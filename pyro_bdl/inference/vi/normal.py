@@ -29,7 +29,7 @@ import pyro.distributions as dist
 import torch
 from torch.distributions import kl
 
-__all__ = ["VariationalNormal"]
+__all__ = ["VariationalNormal", "tempered_kl"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -88,14 +88,29 @@ def check_temperature(temperature: float) -> float:
     return float(temperature)
 
 
-@kl.register_kl(VariationalNormal, torch.distributions.Normal)
-def _kl_variational_normal(q: VariationalNormal, p: torch.distributions.Normal) -> torch.Tensor:
+def tempered_kl(
+    loc: torch.Tensor,
+    scale: torch.Tensor,
+    prior_loc: torch.Tensor,
+    prior_scale: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    r""":math:`\mathbb{E}_q[-\log p] - T\, H(q)` elementwise, for :math:`q = \mathcal{N}(m, s^2)`.
+
+    The KL of :class:`VariationalNormal` against a Normal prior; a guide calls it once on
+    the flat tensors of all its sites (one fused expression for any number of sites).
+    """
     # Written out rather than calling torch's Normal-Normal KL because the tempered
     # objective needs the cross entropy and the entropy apart:
     # E_q[-log p] = log sigma_p + (s^2 + (m - mu_p)^2) / (2 sigma_p^2) + log(2 pi) / 2,
     # H(q) = log s + 1/2 + log(2 pi) / 2. At T = 1 their difference is eq. 11 of BLoB.
     cross_entropy = (
-        p.scale.log() + (q.scale.square() + (q.loc - p.loc).square()) / (2 * p.scale.square())
+        prior_scale.log() + (scale.square() + (loc - prior_loc).square()) / (2 * prior_scale.square())
     ) + _HALF_LOG_2PI
-    entropy = q.scale.log() + 0.5 + _HALF_LOG_2PI
-    return cross_entropy - q.temperature * entropy
+    entropy = scale.log() + 0.5 + _HALF_LOG_2PI
+    return cross_entropy - temperature * entropy
+
+
+@kl.register_kl(VariationalNormal, torch.distributions.Normal)
+def _kl_variational_normal(q: VariationalNormal, p: torch.distributions.Normal) -> torch.Tensor:
+    return tempered_kl(q.loc, q.scale, p.loc, p.scale, q.temperature)

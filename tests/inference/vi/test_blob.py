@@ -72,7 +72,8 @@ def test_gradient_of_the_kl_with_respect_to_g_is_eq_63(make_lora_net):
     guide(x)
     _, m, g = _g(guide)
     kl = TraceMeanField_ELBO().differentiable_loss(_prior_only(net), guide, x)
-    grad_m, grad_g = torch.autograd.grad(kl, [m, g])
+    ((flat_m, flat_g),) = guide.flat_parameters()  # one site: its entries, end to end
+    grad_m, grad_g = (grad.view_as(m) for grad in torch.autograd.grad(kl, [flat_m, flat_g]))
     rho = g.detach()
     torch.testing.assert_close(grad_g, -2 / rho + 2 * rho**3 / PRIOR_STD**2)
     torch.testing.assert_close(grad_m, m.detach() / PRIOR_STD**2)
@@ -135,16 +136,22 @@ def test_flipout_applies_wherever_the_model_runs_with_the_guides_draws(
     net, model, guide = _guide(make_lora_net, make_classifier, eps=0.5, flipout=flipout)
     x = torch.randn(1, 5, **F64).expand(8, 5)
     y = torch.zeros(8, dtype=torch.long)
-    predictive = Predictive(model, guide=guide, num_samples=2, return_sites=["_RETURN"])
-    svi_trace = poutine.trace(poutine.replay(model, poutine.trace(guide).get_trace(x, y)))
+
+    def svi():  # as SVI runs it: a draw of the guide, the model replaying it
+        replayed = poutine.replay(model, poutine.trace(guide).get_trace(x, y))
+        return poutine.trace(replayed).get_trace(x, y).nodes["_RETURN"]["value"]
+
     outputs = {
-        "Predictive": predictive(x)["_RETURN"][0],
-        "predict_proba": predict_proba(model, x, guide=guide, num_samples=1)[0],
-        "SVI": svi_trace.get_trace(x, y).nodes["_RETURN"]["value"],
+        "predict_proba": lambda: predict_proba(model, x, guide=guide, num_samples=1)[0],
+        "SVI": svi,
     }
-    for where, out in outputs.items():
-        distinct = torch.unique(out.detach(), dim=0).shape[0]
+    for where, output in outputs.items():
+        distinct = torch.unique(output().detach(), dim=0).shape[0]
         assert (distinct > 4) if flipout else (distinct == 1), where
+    # Pyro's Predictive stacks the guide's draws and runs the model on copies: one weight
+    # draw per sample for the whole batch (each example's predictive is the same).
+    predictive = Predictive(model, guide=guide, num_samples=2, return_sites=["_RETURN"])
+    assert torch.unique(predictive(x)["_RETURN"][0], dim=0).shape[0] == 1
 
 
 def test_flipout_can_be_switched_and_its_hooks_leave_with_the_guide(make_lora_net, make_classifier):
@@ -196,12 +203,52 @@ def test_lifts_that_break_the_asymmetric_design_are_errors(make_lora_net, make_c
     )
     with pytest.raises(ValueError, match="LoRA A only"):
         BLoBGuide(model_of(with_bias), with_bias)
+    unlifted = torch.nn.Linear(5, 3).double()
+    guide = BLoBGuide(lambda x, y=None, num_data=None: unlifted(x))
     with pytest.raises(TypeError, match="net="):
-        BLoBGuide(model_of(net))
+        guide(torch.randn(2, 5, **F64))
     with pytest.raises(ValueError, match="eps"):
         BLoBGuide(model_of(net), net, eps=0.0)
     with pytest.raises(ValueError, match="prior_std"):
         BLoBGuide(model_of(net), net, prior_std=-0.2)
+
+
+def test_the_network_is_found_from_the_model_without_net(make_lora_net, make_classifier, data):
+    x, y = data
+    net = make_lora_net()
+    model = make_classifier(net)  # a closure over net: no model.net to read
+    pyro.set_rng_seed(0)
+    found = BLoBGuide(model, prior_std=PRIOR_STD)
+    found(x, y)
+    (site,) = found.site_names
+    layer, _ = net.owner(site)
+    assert len(layer._forward_hooks) == 1  # flipout on the network the model called
+    assert net.prior.scale == PRIOR_STD
+    # the same guide as with net=: the same draws and outputs from the same seed
+    del found
+    gc.collect()
+    outputs = []
+    for options in ({}, {"net": net}):
+        pyro.set_rng_seed(1)
+        guide = BLoBGuide(model, prior_std=PRIOR_STD, **options)
+        guide(x, y)
+        trace = poutine.trace(poutine.replay(model, poutine.trace(guide).get_trace(x, y)))
+        outputs.append(trace.get_trace(x, y).nodes["_RETURN"]["value"])
+        del guide
+        gc.collect()
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
+def test_flipout_leaves_other_inference_on_the_network_alone(make_lora_net, make_classifier):
+    # A Laplace fit (or SGMCMC) on the same lifted network while a BLoB guide is alive:
+    # its forwards sample A themselves, and flipout must not touch them.
+    net, model, guide = _guide(make_lora_net, make_classifier, eps=0.5)
+    x = torch.randn(1, 5, **F64).expand(8, 5)
+    (site,) = net.random_sites
+    other = {site: guide.median()[site] + 0.1}  # a value that is not the guide's draw
+    conditioned = poutine.condition(model, data=other)
+    out = poutine.trace(conditioned).get_trace(x).nodes["_RETURN"]["value"]
+    assert torch.unique(out.detach(), dim=0).shape[0] == 1  # one weight, no flipout signs
 
 
 def test_guide_exports_to_arviz_with_its_approximation_and_settings(make_lora_net, make_classifier):

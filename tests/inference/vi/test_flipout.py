@@ -17,7 +17,7 @@ def _passes(net, guide, x, b):
     outputs = []
     with torch.no_grad():
         for _ in range(NUM_PASSES):
-            a = guide.get_posterior(site).rsample()
+            a = guide.draw()[0][site]  # flipout acts on forwards with the guide's draws
             outputs.append(functional_call(net.module, {a_name: a, b_name: b}, (x,)))
     return torch.stack(outputs)
 
