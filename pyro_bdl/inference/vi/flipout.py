@@ -10,8 +10,9 @@ decorrelates the examples, for the price of one extra low-rank product (eq. 12 a
 
     Z = W_0 H + B\big(M H + [(E \circ \Omega)(H \circ S)] \circ T\big).
 
-:class:`LoRAFlipout` computes the bracket at the LoRA A projection of a peft model with a
-forward hook, so no per-example weight is ever formed. The hook acts only on forwards whose A is
+:class:`LoRAFlipout` computes the bracket at the LoRA A projection of a peft model in place
+of the layer's forward (so the plain product :math:`A h` is not computed and thrown away),
+and no per-example weight is ever formed. The hook acts only on forwards whose A is
 the guide's latest draw, put in place by :func:`torch.func.functional_call` (a lifted
 network's sample site): forwards with the module's own weight (``net.fixed(...)``) and
 other inference on the same network (a Laplace fit, SGMCMC) are left alone.
@@ -19,6 +20,8 @@ other inference on the same network (a Laplace fit, SGMCMC) are left alone.
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -53,7 +56,11 @@ def _rademacher(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
 
 
 class LoRAFlipout:
-    """Forward hooks that run :func:`flipout_linear` at the LoRA A layers of a lifted network.
+    """Runs :func:`flipout_linear` at the LoRA A layers of a lifted network.
+
+    While attached, each A layer's ``forward`` is replaced by one that computes flipout for
+    a forward with the guide's draw and the plain ``linear`` otherwise (a method bound to
+    the layer, so a deep copy of the model gets one bound to its own layer).
 
     The guide that samples A records each draw and the mean :math:`M` it sampled around
     (:meth:`record`); a forward whose A *is* that draw then uses :math:`\\Delta A = A - M`.
@@ -81,7 +88,7 @@ class LoRAFlipout:
                     f"lora_A), it is {attribute!r} of a {type(layer).__name__}; pass flipout=False"
                 )
             self._layers[site] = layer
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._attached = False
 
     def record(self, draws: dict[str, torch.Tensor], means: dict[str, torch.Tensor]) -> None:
         """Remember a draw of every site (and its means): the forwards flipout acts on."""
@@ -89,30 +96,29 @@ class LoRAFlipout:
 
     @property
     def attached(self) -> bool:
-        """Whether the hooks are registered."""
-        return bool(self._handles)
+        """Whether flipout is in place at the layers."""
+        return self._attached
 
     def attach(self) -> None:
-        """Register the hooks (once)."""
-        if self._handles:
-            return
+        """Put flipout in place (once)."""
         for site, layer in self._layers.items():
-            self._handles.append(layer.register_forward_hook(self._hook(site)))
+            # a weak reference: a deep copy of the model shares it and never copies the draws
+            layer._bdl_flipout = (weakref.ref(self), site)
+            layer.forward = types.MethodType(_flipout_forward, layer)
+        self._attached = True
 
     def detach(self) -> None:
-        """Remove the hooks: every layer runs as plain LoRA again."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Take flipout out: every layer runs as plain LoRA again."""
+        for layer in self._layers.values():
+            layer.__dict__.pop("forward", None)
+            layer.__dict__.pop("_bdl_flipout", None)
+        self._attached = False
 
-    def _hook(self, site: str):
-        def flipout(layer: torch.nn.Linear, inputs: tuple, output: torch.Tensor):
-            weight = layer.weight
-            if weight is not self.draws.get(site):
-                return None
-            mean = self.means[site]
-            # The layer's own product is discarded; recomputing it around M keeps the
-            # hook independent of peft's forward, for one r x n product (LoRA-sized).
-            return flipout_linear(inputs[0], mean, weight - mean)
 
-        return flipout
+def _flipout_forward(layer: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
+    reference, site = layer._bdl_flipout
+    flipout, weight = reference(), layer.weight
+    if flipout is None or weight is not flipout.draws.get(site):  # not the guide's draw
+        return F.linear(h, weight)
+    mean = flipout.means[site]
+    return flipout_linear(h, mean, weight - mean)
