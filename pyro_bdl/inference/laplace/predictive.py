@@ -69,4 +69,4 @@ def mc_probabilities(
     noise = torch.randn(
         num_samples, *mean.shape, dtype=mean.dtype, device=mean.device, generator=generator
     )
-    return torch.softmax(mean + torch.einsum("bkj,sbj->sbk", root, noise), -1)
+    return torch.softmax(mean + (noise.unsqueeze(-2) @ root.mT).squeeze(-2), -1)

@@ -167,24 +167,30 @@ class KronBlock(GaussianBlock):
         weights = (self.eigenvalues + delta).reciprocal()
         if self.complement:
             weights = weights - delta.reciprocal()
-        if (
-            isinstance(grad, LinearGradient)
-            and grad.inputs is not None
-            and grad.inputs.shape[1] == 1
-        ):
+        factored = isinstance(grad, LinearGradient) and grad.inputs is not None
+        if factored and grad.inputs.shape[1] == 1:
             # one position: project a and b, never form the d_out x d_in Jacobian rows
-            a = grad.inputs @ self.input_vectors  # (B, 1, k_A)
-            b = grad.output_grads @ self.output_vectors  # (m, B, 1, k_B)
-            inside = LinearGradient(a, b).gram(weights)
-            outside = grad.gram(delta.reciprocal()) if self.complement else 0
-            return inside + outside
-        # shared positions: project each example's Jacobian row once, not every position
-        rows = self._matrix(grad.per_example())
-        projected = self.output_vectors.mT @ rows @ self.input_vectors
-        inside = torch.einsum("cbpq,pq,dbpq->bcd", projected, weights, projected)
+            a, b = grad.inputs[:, 0], grad.output_grads[:, :, 0]  # (B, d_in), (m, B, d_out)
+            a_projected = a @ self.input_vectors
+            b_projected = b @ self.output_vectors
+            # sum_pq w_pq (b_c Q_B)_p (b_d Q_B)_p (a Q_A)_q^2
+            inside = _gram(b_projected * (a_projected.square() @ weights.mT), b_projected)
+            if not self.complement:
+                return inside
+            return inside + _gram(b * a.square().sum(-1, keepdim=True), b) / delta
+        if factored:
+            # project a and b before summing over positions: (b Q_B)^T (a Q_A) per example
+            a_projected = grad.inputs @ self.input_vectors  # (B, T, k_A)
+            b_projected = grad.output_grads @ self.output_vectors  # (m, B, T, k_B)
+            projected = b_projected.mT @ a_projected  # (m, B, k_B, k_A)
+            rows = grad.output_grads.mT @ grad.inputs if self.complement else None
+        else:
+            rows = self._matrix(grad.per_example())
+            projected = self.output_vectors.mT @ rows @ self.input_vectors
+        inside = _gram(projected * weights, projected)
         if not self.complement:
             return inside
-        return inside + torch.einsum("cbij,dbij->bcd", rows, rows) / delta
+        return inside + _gram(rows, rows) / delta
 
     def variance(self, delta):
         delta = self._delta(delta)
@@ -205,6 +211,11 @@ class KronBlock(GaussianBlock):
             f"{self.site}.kron_output_eigenvalues": self.output_values,
             f"{self.site}.kron_output_eigenvectors": self.output_vectors,
         }
+
+
+def _gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """:math:`\\sum_p x_{c,b,p}\\, y_{d,b,p}` for ``x``, ``y`` shaped ``(m, B, ...)``: ``(B, m, m)``."""
+    return x.flatten(2).transpose(0, 1) @ y.flatten(2).permute(1, 2, 0)
 
 
 def _eigen(factor) -> Eigen:
