@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from pyro_bdl._checks import instance
 from pyro_bdl.lift import LiftedModule, parameter_owner
 
 __all__ = ["enable_checkpointing"]
@@ -71,6 +72,7 @@ def enable_checkpointing(net: LiftedModule) -> None:
 
     :param LiftedModule net: a lifted ``transformers`` model or peft model over one.
     """
+    instance("net", net, LiftedModule, "a LiftedModule made by bdl.lift")
     module = net.module
     model = module.get_base_model() if hasattr(module, "get_base_model") else module
     if not getattr(model, "supports_gradient_checkpointing", False):

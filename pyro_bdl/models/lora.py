@@ -29,6 +29,7 @@ from transformers import (
 )
 from transformers.models.auto import modeling_auto
 
+from pyro_bdl._checks import instance, integer, one_of, probability, real
 from pyro_bdl.lift import LiftedModule, lift
 from pyro_bdl.models.bayesian_net import BayesianNet
 from pyro_bdl.models.checkpointing import enable_checkpointing
@@ -179,13 +180,62 @@ def _prepare_tokenizer(tokenizer: Any, model: PreTrainedModel, architecture: str
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
-def _check_hyperparameters(rank: int, alpha: float, dropout: float) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"lora_model: rank must be a positive int, got {rank!r}")
-    if not (isinstance(alpha, (int, float)) and alpha > 0):
-        raise ValueError(f"lora_model: alpha must be a positive number, got {alpha!r}")
-    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
-        raise ValueError(f"lora_model: dropout must be in [0, 1), got {dropout!r}")
+def _check_arguments(arguments: dict) -> dict:
+    """Every argument of :func:`lora_model` checked at the call, in the form used below."""
+    checked = dict(arguments)
+    base = arguments["base"]
+    if isinstance(base, PeftModel):
+        raise TypeError(
+            "lora_model: base is already a peft model; pass its base model "
+            "(peft_model.get_base_model() before adapters were added) or adapter=<directory>"
+        )
+    if not isinstance(base, (str, os.PathLike, PreTrainedModel)):
+        raise TypeError(
+            "base must be 'minilm', a local model directory or a transformers model, got "
+            f"{type(base).__name__}"
+        )
+    one_of("task", arguments["task"], _TASKS)
+    if arguments["num_labels"] is not None:
+        checked["num_labels"] = integer("num_labels", arguments["num_labels"], low=2)
+    ids = arguments["label_token_ids"]
+    if ids is not None:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise TypeError(f"label_token_ids must be a list of token ids, got {ids!r}")
+        checked["label_token_ids"] = [integer("label_token_ids", i, low=0) for i in ids]
+    checked["rank"] = integer("rank", arguments["rank"], low=1)
+    checked["alpha"] = real("alpha", arguments["alpha"], positive=True)
+    checked["dropout"] = probability("dropout", arguments["dropout"], open_high=True)
+    targets = arguments["target_modules"]
+    if targets is not None and (
+        isinstance(targets, str)
+        or not isinstance(targets, Sequence)
+        or not targets
+        or not all(isinstance(t, str) for t in targets)
+    ):
+        raise TypeError(
+            f"target_modules must be a non-empty list of module names, got {targets!r}"
+        )
+    if arguments["head"] is not None:
+        one_of("head", arguments["head"], _HEADS)
+    one_of("adapters_random", arguments["adapters_random"], ("AB", "A"))
+    prior = arguments["prior"]
+    if prior is not None and not callable(getattr(prior, "distribution", None)):
+        raise TypeError(
+            "prior must be a pyro_bdl prior (with distribution(name, param)), got "
+            f"{type(prior).__name__}"
+        )
+    if prior is None:
+        checked["prior_scale"] = real("prior_scale", arguments["prior_scale"], positive=True)
+    instance("gradient_checkpointing", arguments["gradient_checkpointing"], bool, "True or False")
+    dtype = arguments["dtype"]
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)):
+            if dtype != "auto":
+                raise TypeError(
+                    f"dtype must be a torch.dtype, a name such as 'bfloat16', or 'auto', got "
+                    f"{dtype!r}"
+                )
+    return checked
 
 
 class LoRAModel:
@@ -388,24 +438,16 @@ def lora_model(
     :return: a :class:`LoRAModel` with ``.model``, ``.net``, ``.tokenizer`` and
         ``.peft_model``.
     """
-    if task not in _TASKS:
-        raise ValueError(f"lora_model: task must be one of {', '.join(_TASKS)}, got {task!r}")
-    if head is not None and head not in _HEADS:
-        raise ValueError(f"lora_model: head must be one of {', '.join(_HEADS)}, got {head!r}")
+    checked = _check_arguments(locals())
+    num_labels, label_token_ids = checked["num_labels"], checked["label_token_ids"]
+    rank, alpha, dropout = checked["rank"], checked["alpha"], checked["dropout"]
     if num_labels is not None and task != "classification":
         raise ValueError(
             f"lora_model: num_labels is for task='classification', not {task!r} (multiple "
             "choice takes its number of choices from the batch)"
         )
-    _check_hyperparameters(rank, alpha, dropout)
-    if adapters_random not in ("AB", "A"):
-        raise ValueError(
-            f"lora_model: adapters_random must be 'AB' or 'A', got {adapters_random!r}"
-        )
     if prior is None:
-        if not (isinstance(prior_scale, (int, float)) and prior_scale > 0):
-            raise ValueError(f"lora_model: prior_scale must be positive, got {prior_scale!r}")
-        prior = IIDNormal(prior_scale)
+        prior = IIDNormal(checked["prior_scale"])
 
     model, architecture, path = _load(
         base, task, label_token_ids, num_labels, dtype, device_map, model_kwargs
@@ -442,11 +484,6 @@ def _load(
     model_kwargs: dict,
 ) -> tuple[PreTrainedModel, str, Path | None]:
     """The model of the task's architecture, the architecture, and the directory if any."""
-    if isinstance(base, PeftModel):
-        raise TypeError(
-            "lora_model: base is already a peft model; pass its base model "
-            "(peft_model.get_base_model() before adapters were added) or adapter=<directory>"
-        )
     if isinstance(base, PreTrainedModel):
         if dtype is not None or device_map is not None or model_kwargs:
             raise ValueError(

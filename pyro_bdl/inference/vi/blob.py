@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pyro_bdl._checks import instance, real
+from pyro_bdl._checks import function, instance, real
 from pyro_bdl.inference.vi.flipout import LoRAFlipout
 from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
 from pyro_bdl.lift import LiftedModule, init_to_module
@@ -95,6 +95,7 @@ class BLoBGuide(MeanFieldGuide):
         flipout: bool = True,
         init_loc_fn: Callable = init_to_module,
     ):
+        function("model", model, "a Pyro model (a callable)")
         if net is None and isinstance(getattr(model, "net", None), LiftedModule):
             net = model.net
         if net is not None:

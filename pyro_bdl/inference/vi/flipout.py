@@ -27,6 +27,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from pyro_bdl._checks import instance
 from pyro_bdl.lift import LiftedModule
 
 __all__ = ["LoRAFlipout", "flipout_linear"]
@@ -43,6 +44,13 @@ def flipout_linear(h: torch.Tensor, mean: torch.Tensor, delta: torch.Tensor) -> 
     :param torch.Tensor delta: the weight noise :math:`\Delta A = E \circ \Omega`, ``(r, n)``.
     :return: outputs ``(..., r)``.
     """
+    if not all(torch.is_tensor(x) for x in (h, mean, delta)):
+        raise TypeError("flipout_linear: h, mean and delta must be tensors")
+    if mean.dim() != 2 or delta.shape != mean.shape or h.shape[-1:] != mean.shape[1:]:
+        raise ValueError(
+            f"flipout_linear: mean and delta must both be (r, n) and h (..., n), got h "
+            f"{tuple(h.shape)}, mean {tuple(mean.shape)}, delta {tuple(delta.shape)}"
+        )
     s = _rademacher(h.shape, h)
     t = _rademacher(h.shape[:-1] + delta.shape[:1], h)
     return F.linear(h, mean) + F.linear(h * s, delta) * t
@@ -73,6 +81,16 @@ class LoRAFlipout:
     """
 
     def __init__(self, net: LiftedModule, sites: Iterable[str]):
+        instance("net", net, LiftedModule, "a LiftedModule made by bdl.lift")
+        if isinstance(sites, str) or not isinstance(sites, Iterable):
+            raise TypeError(f"sites must be an iterable of site names, got {sites!r}")
+        sites = list(sites)
+        unknown = [site for site in sites if site not in net.random_sites]
+        if unknown:
+            raise ValueError(
+                f"sites must be random sites of net, got {unknown[:3]}; its random sites "
+                f"include {list(net.random_sites)[:3]}"
+            )
         self.draws: dict[str, torch.Tensor] = {}
         self.means: dict[str, torch.Tensor] = {}
         self._layers = {}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from pyro_bdl._checks import integer, real
+
 __all__ = ["blob_kl_cycle", "exponential_kl_weight", "uniform_kl_weight"]
 
 
@@ -23,11 +25,9 @@ def blob_kl_cycle(num_data: int, batch_size: int, gamma: float = 8.0) -> int:
     :param float gamma: :math:`\gamma` (8 in all the paper's experiments).
     :return: :math:`M \ge 1` (the reference code truncates :math:`L^*/B` to an integer).
     """
-    for name, value in (("num_data", num_data), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"blob_kl_cycle: {name} must be a positive int, got {value!r}")
-    if not gamma > 0:
-        raise ValueError(f"blob_kl_cycle: gamma must be positive, got {gamma!r}")
+    num_data = integer("num_data", num_data, low=1)
+    batch_size = integer("batch_size", batch_size, low=1)
+    gamma = real("gamma", gamma, positive=True)
     return max(1, int(100 * num_data ** (math.pi / gamma) / batch_size))
 
 
@@ -40,7 +40,7 @@ def exponential_kl_weight(step: int, cycle: int) -> float:
     :param int step: the training step, from 0.
     :param int cycle: the cycle length :math:`M`.
     """
-    _check_cycle(cycle)
+    step, cycle = _check(step, cycle)
     i = step % cycle + 1
     return math.ldexp(1.0, i - cycle - 1) / -math.expm1(-(cycle + 1) * math.log(2.0))
 
@@ -51,10 +51,9 @@ def uniform_kl_weight(step: int, cycle: int) -> float:
     :param int step: the training step (unused: every step weighs the same).
     :param int cycle: the number of minibatches :math:`M` per epoch.
     """
-    _check_cycle(cycle)
+    _, cycle = _check(step, cycle)
     return 1.0 / cycle
 
 
-def _check_cycle(cycle: int) -> None:
-    if isinstance(cycle, bool) or not isinstance(cycle, int) or cycle < 1:
-        raise ValueError(f"the KL cycle length must be a positive int, got {cycle!r}")
+def _check(step: int, cycle: int) -> tuple[int, int]:
+    return integer("step", step, low=0), integer("cycle", cycle, low=1)

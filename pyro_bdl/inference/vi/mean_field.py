@@ -26,7 +26,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.nn.module import PyroModule, PyroParam
 
-from pyro_bdl._checks import one_of, real
+from pyro_bdl._checks import function, instance, one_of, real
 from pyro_bdl.inference.vi.normal import VariationalNormal, check_temperature, tempered_kl
 from pyro_bdl.lift import init_to_module
 
@@ -139,11 +139,15 @@ class MeanFieldGuide(AutoGuide):
         temperature: float = 1.0,
         stick_the_landing: bool = False,
     ):
+        function("model", model, "a Pyro model (a callable)")
+        function("init_loc_fn", init_loc_fn, "a Pyro init strategy (a callable)")
         one_of("scale_parametrization", scale_parametrization, _SCALE_PARAMETRIZATIONS)
         self.init_scale = real("init_scale", init_scale, positive=True)
         self.scale_parametrization = scale_parametrization
         self.temperature = check_temperature(temperature)
-        self.stick_the_landing = bool(stick_the_landing)
+        self.stick_the_landing = instance(
+            "stick_the_landing", stick_the_landing, bool, "True or False"
+        )
         self._scale_fn, self._inverse_scale_fn = _SCALE_PARAMETRIZATIONS[scale_parametrization]
         super().__init__(InitMessenger(init_loc_fn)(model))
 

@@ -29,6 +29,8 @@ import pyro.distributions as dist
 import torch
 from torch.distributions import kl
 
+from pyro_bdl._checks import instance, real
+
 __all__ = ["VariationalNormal", "tempered_kl"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -61,7 +63,9 @@ class VariationalNormal(dist.Normal):
         validate_args: bool | None = None,
     ):
         self.temperature = check_temperature(temperature)
-        self.stick_the_landing = bool(stick_the_landing)
+        self.stick_the_landing = instance(
+            "stick_the_landing", stick_the_landing, bool, "True or False"
+        )
         super().__init__(loc, scale, validate_args=validate_args)
 
     def expand(self, batch_shape, _instance=None):
@@ -80,12 +84,8 @@ class VariationalNormal(dist.Normal):
 
 
 def check_temperature(temperature: float) -> float:
-    """The temperature as a float, or a ``ValueError`` naming it."""
-    if isinstance(temperature, bool) or not (
-        isinstance(temperature, (int, float)) and temperature >= 0
-    ):
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    return float(temperature)
+    """The temperature as a float, or an error naming it."""
+    return real("temperature", temperature, non_negative=True)
 
 
 def tempered_kl(

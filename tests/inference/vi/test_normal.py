@@ -91,7 +91,10 @@ def test_expand_keeps_temperature_and_stick_the_landing():
     assert q.batch_shape == (2, 3) and q.temperature == 0.5 and q.stick_the_landing
 
 
-@pytest.mark.parametrize("temperature", [-1.0, float("nan"), "1", True])
-def test_bad_temperature_is_an_error_naming_the_argument(temperature):
-    with pytest.raises(ValueError, match="temperature"):
+@pytest.mark.parametrize(
+    "temperature, error",
+    [(-1.0, ValueError), (float("nan"), ValueError), ("1", TypeError), (True, TypeError)],
+)
+def test_bad_temperature_is_an_error_naming_the_argument(temperature, error):
+    with pytest.raises(error, match="temperature"):
         VariationalNormal(torch.zeros(()), torch.ones(()), temperature)

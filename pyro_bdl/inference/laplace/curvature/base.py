@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from pyro_bdl import distributed
+from pyro_bdl._checks import integer, one_of
 from pyro_bdl.inference.laplace.jacobians import SiteGradient
 from pyro_bdl.inference.laplace.observation import FISHERS
 
@@ -100,12 +101,8 @@ class Curvature:
     name = "curvature"
 
     def __init__(self, fisher: str = "ggn", num_samples: int = 1):
-        if fisher not in FISHERS:
-            raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        self.fisher = fisher
-        self.num_samples = num_samples
+        self.fisher = one_of("fisher", fisher, FISHERS)
+        self.num_samples = integer("num_samples", num_samples, low=1)
 
     def begin(self, values: dict[str, torch.Tensor]) -> None:
         """Start a pass for latent sites at ``values`` (name -> MAP value)."""
