@@ -237,9 +237,7 @@ def build(args: argparse.Namespace):
     for name, param in lora.peft_model.named_parameters():
         if "lora_B" in name:  # a fine-tuned checkpoint has B != 0
             torch.nn.init.normal_(param, std=0.02)
-    blob_net = bdl.lift(
-        lora.peft_model, bdl.priors.IIDNormal(0.2), random="lora_A", point="lora_B"
-    )
+    blob_net = bdl.lift(lora.peft_model, bdl.priors.IIDNormal(0.2), random="lora_A", point="lora_B")
     blob_model = BayesianNet(blob_net, AnswerTokens(LABEL_TOKENS))
     return lora, blob_model, make_loader(size, config.vocab_size, args.seed)
 

@@ -212,9 +212,7 @@ def _check_arguments(arguments: dict) -> dict:
         or not targets
         or not all(isinstance(t, str) for t in targets)
     ):
-        raise TypeError(
-            f"target_modules must be a non-empty list of module names, got {targets!r}"
-        )
+        raise TypeError(f"target_modules must be a non-empty list of module names, got {targets!r}")
     if arguments["head"] is not None:
         one_of("head", arguments["head"], _HEADS)
     one_of("adapters_random", arguments["adapters_random"], ("AB", "A"))

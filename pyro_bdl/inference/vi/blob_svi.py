@@ -270,6 +270,7 @@ def fit_blob(
 
     The other parameters are :class:`BLoBSVI`'s.
     """
+    instance("progress", progress, bool, "True or False")
     svi = BLoBSVI(
         model,
         guide,

@@ -73,7 +73,7 @@ class _DrawnNormal(VariationalNormal):
         super().__init__(loc, scale, temperature, stick_the_landing, validate_args=False)
         self._draw = draw
 
-    def rsample(self, sample_shape=torch.Size()):
+    def rsample(self, sample_shape=()):
         if not sample_shape:
             return self._draw
         return super().rsample(sample_shape)

@@ -105,7 +105,8 @@ def tempered_kl(
     # E_q[-log p] = log sigma_p + (s^2 + (m - mu_p)^2) / (2 sigma_p^2) + log(2 pi) / 2,
     # H(q) = log s + 1/2 + log(2 pi) / 2. At T = 1 their difference is eq. 11 of BLoB.
     cross_entropy = (
-        prior_scale.log() + (scale.square() + (loc - prior_loc).square()) / (2 * prior_scale.square())
+        prior_scale.log()
+        + (scale.square() + (loc - prior_loc).square()) / (2 * prior_scale.square())
     ) + _HALF_LOG_2PI
     entropy = scale.log() + 0.5 + _HALF_LOG_2PI
     return cross_entropy - temperature * entropy

@@ -214,7 +214,7 @@ class KronBlock(GaussianBlock):
 
 
 def _gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """:math:`\\sum_p x_{c,b,p}\\, y_{d,b,p}` for ``x``, ``y`` shaped ``(m, B, ...)``: ``(B, m, m)``."""
+    """:math:`\\sum_p x_{c,b,p}\\, y_{d,b,p}`, ``(B, m, m)``, for ``x``, ``y`` ``(m, B, ...)``."""
     return x.flatten(2).transpose(0, 1) @ y.flatten(2).permute(1, 2, 0)
 
 
