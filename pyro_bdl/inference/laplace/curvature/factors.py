@@ -113,8 +113,9 @@ class SketchFactor:
         return self.test.numel() + self.sketch.numel()
 
     def eigen(self, solver: Eigensolver, scale: float) -> Eigen:
-        vectors, values = nystrom(self.sketch, self.test, self.rank)
-        return Eigen(vectors=vectors, values=values * scale)
+        """The rank-``k`` approximation times ``scale``, computed when first asked."""
+        sketch, test, rank = self.sketch, self.test, self.rank
+        return solver.add_lazy(lambda: nystrom(sketch, test, rank), sketch.shape[0], rank, scale)
 
 
 def nystrom(sketch: torch.Tensor, test: torch.Tensor, rank: int) -> tuple:
@@ -148,11 +149,14 @@ class Eigen:
     :ivar int rank: the number of eigenpairs kept, ``k <= d``.
     """
 
-    def __init__(self, vectors=None, values=None, solver=None, matrix=None, scale=1.0, rank=None):
+    def __init__(
+        self, vectors=None, values=None, solver=None, matrix=None, scale=1.0, rank=None, dim=None
+    ):
         self._vectors, self._values = vectors, values
         self._solver, self.matrix, self.scale = solver, matrix, scale
+        self.compute = None  # a function giving (vectors, values), for a sketched factor
         source = vectors if vectors is not None else matrix
-        self.dim = source.shape[0]
+        self.dim = source.shape[0] if source is not None else dim
         self.rank = vectors.shape[1] if vectors is not None else (rank or self.dim)
 
     @property
@@ -186,13 +190,30 @@ class Eigensolver:
         self._pending: list[Eigen] = []
 
     def add(self, matrix: torch.Tensor, scale: float, rank: int) -> Eigen:
+        """A dense factor ``matrix`` (times ``scale``), its top ``rank`` pairs kept."""
         eigen = Eigen(solver=self, matrix=matrix, scale=scale, rank=rank)
+        self._pending.append(eigen)
+        return eigen
+
+    def add_lazy(self, compute, dim: int, rank: int, scale: float) -> Eigen:
+        """A factor whose ``(vectors, values)`` come from ``compute()`` (times ``scale``)."""
+        eigen = Eigen(solver=self, scale=scale, rank=rank, dim=dim)
+        eigen.compute = compute
         self._pending.append(eigen)
         return eigen
 
     def solve(self, vectors: bool) -> None:
         """Decompose every pending factor (eigenvalues only unless ``vectors``)."""
-        todo = [e for e in self._pending if (e._vectors if vectors else e._values) is None]
+        for eigen in self._pending:
+            if eigen.compute is not None:  # a sketch: one small SVD gives both
+                computed, values = eigen.compute()  # largest first: reversed to ascending
+                eigen._set(values.flip(0), computed.flip(1))
+                eigen.compute = None
+        todo = [
+            e
+            for e in self._pending
+            if e.matrix is not None and (e._vectors if vectors else e._values) is None
+        ]
         groups: dict[tuple, list[Eigen]] = {}
         for eigen in todo:
             matrix = eigen.matrix

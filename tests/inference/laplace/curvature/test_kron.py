@@ -215,3 +215,71 @@ def test_a_convolution_is_factored_as_laplace_torch_does(helpers):
     rows = block.sample({block.site: torch.eye(54).reshape(54, 3, 2, 3, 3)}, delta)[block.site]
     assert torch.allclose(rows.reshape(54, 54) @ rows.reshape(54, 54).T, covariance, atol=1e-10)
     assert torch.allclose(block.variance(delta)[block.site].flatten(), covariance.diagonal())
+
+
+@pytest.mark.parametrize("curvature", ["kron", "kron_lowrank"])
+def test_scalar_and_vector_sites_fall_back_to_the_exact_diagonal(curvature, linear_gaussian):
+    # A 0-d site (an offset) and a 1-d site used by x @ w, not a linear layer's weight:
+    # both get the diagonal GGN, which equals the diagonal of the exact precision.
+    import pyro
+
+    problem = linear_gaussian
+
+    def model(batch, num_data):
+        x, y = batch
+        w = pyro.sample("w", dist.Normal(0.0, problem.alpha**-0.5).expand([3]).to_event(1))
+        b = pyro.sample("b", dist.Normal(0.0, 1.0))
+        bdl.observe("y", dist.Normal(x @ w + b, problem.sigma), y, num_data)
+        return x @ w + b
+
+    guides = {}
+    for name in (curvature, "diag_ggn"):
+        guides[name] = LaplaceGuide(model, curvature=name)
+        guides[name].fit(problem.loader(), problem.num_data, map=False, progress=False)
+    assert all(isinstance(block, DiagonalBlock) for block in guides[curvature]._blocks)
+    for site, variance in guides["diag_ggn"].variance().items():
+        torch.testing.assert_close(guides[curvature].variance()[site], variance)
+    x = problem.x
+    exact = {"w": x.square().sum(0) / problem.sigma**2 + problem.alpha,
+             "b": torch.tensor(len(x) / problem.sigma**2 + 1.0)}  # fmt: skip
+    for site, precision in exact.items():
+        torch.testing.assert_close(guides[curvature].variance()[site], precision.reciprocal())
+    torch.testing.assert_close(
+        guides[curvature].log_marginal_likelihood(), guides["diag_ggn"].log_marginal_likelihood()
+    )
+
+
+class _TwoHeads(torch.nn.Module):
+    """Two linear heads reading one hidden layer, as LoRA's query and value A read one input."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(5, 6)
+        self.left = torch.nn.Linear(6, 3, bias=False)
+        self.right = torch.nn.Linear(6, 3, bias=False)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.trunk(x))
+        return self.left(hidden) + self.right(hidden)
+
+
+def test_layers_reading_one_input_share_one_input_factor(helpers):
+    x, y = helpers.classification_data()
+    heads = ["left.weight", "right.weight"]
+    net = bdl.lift(_TwoHeads(), bdl.priors.IIDNormal(1.0), random=heads)
+    guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
+    guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), len(x), map=False, progress=False)
+    left, right = guide._blocks
+    assert left.input_factor is right.input_factor  # one factor, decomposed once
+    # the same posterior as two separately accumulated factors (laplace-torch's way)
+    module = copy.deepcopy(net.module)
+    for name, param in module.named_parameters():
+        param.requires_grad_(name in heads)
+    reference = laplace.KronLaplace(
+        module, "classification", prior_precision=1.0, backend=curvatures.CurvlinopsGGN
+    )
+    reference.fit(DataLoader(TensorDataset(x, y), batch_size=len(x)))
+    torch.testing.assert_close(
+        guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4, atol=0
+    )
