@@ -152,7 +152,9 @@ class AnswerTokens(Classification):
                 f"label_token_ids {self.label_token_ids} include ids beyond the model's "
                 f"vocabulary of {vocabulary} tokens; take them from this model's tokenizer"
             )
-        return last[:, self._index.to(last.device)]
+        if self._index.device != last.device:  # once: a copy per step would wait for it
+            self._index = self._index.to(last.device)
+        return last[:, self._index]
 
     def __repr__(self) -> str:
         return f"AnswerTokens(label_token_ids={self.label_token_ids})"

@@ -180,6 +180,31 @@ def _prepare_tokenizer(tokenizer: Any, model: PreTrainedModel, architecture: str
         model.config.pad_token_id = tokenizer.pad_token_id
 
 
+_QUANTIZATIONS = ("4bit", "8bit")
+
+
+def _quantization_config(quantization: str, dtype: torch.dtype | str | None):
+    """transformers' BitsAndBytesConfig for a 4-bit (QLoRA's NF4) or 8-bit base."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"lora_model: quantization={quantization!r} needs the bitsandbytes package "
+            "(pip install bitsandbytes; its kernels mostly need a CUDA GPU)"
+        ) from error
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute if isinstance(compute, torch.dtype) else torch.bfloat16,
+    )
+
+
 def _check_arguments(arguments: dict) -> dict:
     """Every argument of :func:`lora_model` checked at the call, in the form used below."""
     checked = dict(arguments)
@@ -225,6 +250,13 @@ def _check_arguments(arguments: dict) -> dict:
     if prior is None:
         checked["prior_scale"] = real("prior_scale", arguments["prior_scale"], positive=True)
     instance("gradient_checkpointing", arguments["gradient_checkpointing"], bool, "True or False")
+    if arguments["quantization"] is not None:
+        one_of("quantization", arguments["quantization"], _QUANTIZATIONS)
+        if isinstance(base, PreTrainedModel):
+            raise ValueError(
+                "quantization applies when loading from a directory; base is already built: "
+                "load it with a BitsAndBytesConfig yourself, or pass its directory"
+            )
     dtype = arguments["dtype"]
     if dtype is not None and not isinstance(dtype, torch.dtype):
         if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)):
@@ -332,6 +364,7 @@ def lora_model(
     gradient_checkpointing: bool = False,
     dtype: torch.dtype | str | None = None,
     device_map: Any = None,
+    quantization: str | None = None,
     **model_kwargs,
 ) -> LoRAModel:
     r"""A Hugging Face model with LoRA adapters whose weights have a prior: a Pyro model.
@@ -383,8 +416,13 @@ def lora_model(
     :func:`~pyro_bdl.models.checkpointing.enable_checkpointing`, which recomputes with
     the sampled weights; the model's own ``gradient_checkpointing_enable`` would recompute
     with the module's weights and give wrong gradients, so a base that has it on is
-    switched to ours, and it must not be called after :func:`lora_model`. Only the
-    single-device CPU paths are tested; quantised (4-bit / 8-bit) bases are not covered.
+    switched to ours, and it must not be called after :func:`lora_model`.
+    ``quantization="4bit"`` (NF4 with double quantisation, computing in ``dtype`` or
+    bfloat16: QLoRA's recipe) or ``"8bit"`` loads the base through ``transformers``'
+    bitsandbytes integration (the ``bitsandbytes`` package, in practice on a CUDA GPU); the
+    adapters stay float32 and are lifted as usual. The single-device CPU paths are tested
+    here; the CUDA, ``device_map`` and quantised paths have tests that run where a GPU (and
+    bitsandbytes) is present.
 
     **References**
 
@@ -432,6 +470,8 @@ def lora_model(
     :param bool gradient_checkpointing: recompute activations in the backward pass.
     :param dtype: the dtype of the loaded base weights, e.g. ``torch.bfloat16``.
     :param device_map: accelerate placement of the loaded base, e.g. ``"auto"``.
+    :param str quantization: ``"4bit"`` or ``"8bit"`` to load a quantised base (needs
+        ``bitsandbytes``), or None.
     :param model_kwargs: more keyword arguments of ``from_pretrained``.
     :return: a :class:`LoRAModel` with ``.model``, ``.net``, ``.tokenizer`` and
         ``.peft_model``.
@@ -447,6 +487,8 @@ def lora_model(
     if prior is None:
         prior = IIDNormal(checked["prior_scale"])
 
+    if quantization is not None:
+        model_kwargs["quantization_config"] = _quantization_config(quantization, dtype)
     model, architecture, path = _load(
         base, task, label_token_ids, num_labels, dtype, device_map, model_kwargs
     )
