@@ -262,13 +262,17 @@ class _RecordCalls(TorchFunctionMode):
         self.transposed: dict[int, tuple[str, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        output = func(*args, **kwargs)
-        if _is_transpose(func) and args and id(args[0]) in self.sites_by_id:
+        # Every torch call of the model passes here: the common case (an operation that
+        # is neither recorded nor a transpose) does two hash look-ups and nothing else.
+        output = func(*args, **kwargs) if kwargs else func(*args)
+        if func in _SIGNATURES:
+            bound = dict(zip(_SIGNATURES[func], args))
+            if kwargs:
+                bound.update(kwargs)
+            self._record(func, bound, output)
+        elif func in _TRANSPOSES and args and id(args[0]) in self.sites_by_id:
             if args[0].dim() == 2:
                 self.transposed[id(output)] = (self.sites_by_id[id(args[0])], output)
-        elif func in _SIGNATURES:
-            self._record(func, {**dict(zip(_SIGNATURES[func], args)), **kwargs}, output)
         return output
 
     def _record(self, func, bound: dict, output: torch.Tensor) -> None:
@@ -296,8 +300,9 @@ class _RecordCalls(TorchFunctionMode):
         )
 
 
-def _is_transpose(func) -> bool:
-    return func in (torch.t, torch.Tensor.t) or getattr(func, "__self__", None) is torch.Tensor.T
+# The transposes of a weight (``W.t()``, ``W.T``) that ``x @ W.T`` uses; ``Tensor.T`` reaches
+# the mode as its getter, whose method-wrappers compare equal.
+_TRANSPOSES = frozenset({torch.t, torch.Tensor.t, torch.Tensor.T.__get__})
 
 
 def _conv_options(bound: dict, dims: int) -> dict:
