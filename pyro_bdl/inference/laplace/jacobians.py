@@ -418,8 +418,12 @@ class Linearization:
     def gradients(self, columns: torch.Tensor) -> dict[str, SiteGradient]:
         """Per-example gradients of ``columns[c] . output`` for every latent site.
 
+        Call it once per run: the recorded calls are released as it returns.
+
         :param torch.Tensor columns: ``(m, *output.shape)``.
         """
+        if self._calls is None:
+            raise RuntimeError("Linearization.gradients: already called for this run")
         jacobians = self._jacobians
         factored_sites = self._factored_sites()
         calls = [c for c in self._calls if factored_sites & {c.weight_site, c.bias_site}]
@@ -437,6 +441,9 @@ class Linearization:
         dense_sites = [s for s in jacobians.values if s not in per_site]
         if dense_sites:
             per_site.update(self._dense(dense_sites, columns))
+        # The recorded activations are the caller's now (in per_site) or garbage: a run
+        # that is still referenced while the next batch runs must not hold them.
+        self._calls = None
         return per_site
 
     def _backward(self, calls: list[_Call], leaves: list[str], columns: torch.Tensor):
