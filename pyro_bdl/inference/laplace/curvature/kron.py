@@ -178,12 +178,15 @@ class KronBlock(GaussianBlock):
             if not self.complement:
                 return inside
             return inside + _gram(b * a.square().sum(-1, keepdim=True), b) / delta
-        if factored:
+        if factored and _project_first(grad, self.input_factor.rank, self.output_factor.rank):
             # project a and b before summing over positions: (b Q_B)^T (a Q_A) per example
             a_projected = grad.inputs @ self.input_vectors  # (B, T, k_A)
             b_projected = grad.output_grads @ self.output_vectors  # (m, B, T, k_B)
             projected = b_projected.mT @ a_projected  # (m, B, k_B, k_A)
             rows = grad.output_grads.mT @ grad.inputs if self.complement else None
+        elif factored:  # each example's Jacobian row b^T a first, then its projection
+            rows = grad.output_grads.mT @ grad.inputs  # (m, B, d_out, d_in)
+            projected = self.output_vectors.mT @ rows @ self.input_vectors
         else:
             rows = self._matrix(grad.per_example())
             projected = self.output_vectors.mT @ rows @ self.input_vectors
@@ -211,6 +214,21 @@ class KronBlock(GaussianBlock):
             f"{self.site}.kron_output_eigenvalues": self.output_values,
             f"{self.site}.kron_output_eigenvectors": self.output_vectors,
         }
+
+
+def _project_first(grad: LinearGradient, k_in: int, k_out: int) -> bool:
+    """Whether projecting a and b (before summing positions) costs less than rows first.
+
+    Projecting first costs :math:`B T (d_\\text{in} k_A + m d_\\text{out} k_B + m k_B k_A)`;
+    forming each example's ``d_out x d_in`` row first costs :math:`m B d_\\text{out}
+    d_\\text{in} (T + k_B) + m B k_B d_\\text{in} k_A`. LoRA layers (a narrow side, many
+    tokens) take the second, a wide layer on a few positions the first.
+    """
+    columns, batch, positions, d_out = grad.output_grads.shape
+    d_in = grad.inputs.shape[-1]
+    first = batch * positions * (d_in * k_in + columns * (d_out * k_out + k_out * k_in))
+    rows = columns * batch * (d_out * d_in * (positions + k_out) + k_out * d_in * k_in)
+    return first < rows
 
 
 def _gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -283,3 +283,26 @@ def test_layers_reading_one_input_share_one_input_factor(helpers):
     torch.testing.assert_close(
         guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4, atol=0
     )
+
+
+@pytest.mark.parametrize(
+    "d_out, d_in, positions", [(20, 20, 2), (2, 20, 30)], ids=["project-first", "rows-first"]
+)
+@pytest.mark.parametrize("ranks", [None, (5, 2)], ids=["complete", "truncated"])
+def test_factored_predictive_covariance_equals_the_dense_one(d_out, d_in, positions, ranks):
+    from pyro_bdl.inference.laplace.curvature.kron import _project_first
+    from pyro_bdl.inference.laplace.jacobians import LinearGradient
+
+    block = random_block(d_out, d_in, ranks=ranks)
+    generator = torch.Generator().manual_seed(1)
+    grad = LinearGradient(
+        torch.randn(3, positions, d_in, generator=generator),
+        torch.randn(2, 3, positions, d_out, generator=generator),
+    )
+    k_in, k_out = block.input_factor.rank, block.output_factor.rank
+    assert _project_first(grad, k_in, k_out) == (d_out == 20)
+    delta = {"w": torch.tensor(0.3)}
+    dense = DenseGradient(grad.per_example())
+    torch.testing.assert_close(
+        block.output_covariance({"w": grad}, delta), block.output_covariance({"w": dense}, delta)
+    )
