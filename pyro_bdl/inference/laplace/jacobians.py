@@ -451,7 +451,7 @@ class Linearization:
 
         One backward pass for all columns (``is_grads_batched``: autograd vmapped over
         the cotangents), or one per column where an operation has no batching rule. The
-        graph is released as the (last) pass goes, which lowers its peak memory.
+        graph is kept: the caller may differentiate the run again.
 
         :return: per call, the gradients ``(m, *output.shape)``; site -> leaf gradient.
         """
@@ -465,8 +465,9 @@ class Linearization:
                         self.output,
                         targets,
                         columns,
-                        # until it has worked once, keep the graph for the fallback below
-                        retain_graph=jacobians._batched_backward is None,
+                        # the caller may differentiate the run again (the log likelihood's
+                        # gradient for the mode check), and a failed try needs the fallback
+                        retain_graph=True,
                         allow_unused=True,
                         is_grads_batched=True,
                     )
@@ -486,7 +487,7 @@ class Linearization:
                 self.output,
                 targets if c == 0 else targets[: len(calls)],
                 columns[c],
-                retain_graph=c + 1 < len(columns),
+                retain_graph=True,
                 allow_unused=True,
             )
             per_column.append(grads)
