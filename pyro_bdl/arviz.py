@@ -30,10 +30,12 @@ from pyro.infer import MCMC, Predictive
 from pyro.poutine.util import site_is_subsample
 
 import pyro_bdl
+from pyro_bdl._checks import function, instance, integer
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.chains import Chains
 from pyro_bdl.inference.sgmcmc.checkpoint import read_state
 from pyro_bdl.inference.sgmcmc.store import chain_directories, open_tree
+from pyro_bdl.predict import condition_on_sites
 
 __all__ = ["to_arviz"]
 
@@ -54,7 +56,7 @@ def to_arviz(
     seed: int = 0,
     dims: Mapping[str, Sequence[str]] | None = None,
     coords: Mapping[str, Sequence] | None = None,
-    grouped_by_chain: bool = True,
+    grouped_by_chain: bool = False,
 ) -> xr.DataTree:
     """Convert draws of a Bayesian network's weights into an ArviZ ``DataTree``.
 
@@ -66,11 +68,13 @@ def to_arviz(
 
     :param source: a run ``pyro.infer.MCMC`` (with an SGMCMC kernel of pyro_bdl or any
         other), a :class:`~pyro_bdl.inference.sgmcmc.chains.Chains`, a fitted guide
-        (needs ``num_samples``), a dict of draws shaped ``(chain, draw, *shape)``
-        (``(draw, *shape)`` with ``grouped_by_chain=False``), or the path of a kernel's
-        ``checkpoint`` directory (or one chain's): its chains' draw stores are opened
-        lazily (dask-backed, merged by chain) with the groups ``posterior`` and
-        ``sample_stats``, so :func:`pyro_bdl.diagnostics.summary` streams them from disk.
+        (needs ``num_samples``), a dict of draws shaped ``(draw, *shape)`` as
+        ``mcmc.get_samples()`` returns them (one chain), or ``(chain, draw, *shape)`` with
+        ``grouped_by_chain=True``, as ``mcmc.get_samples(group_by_chain=True)``, or the
+        path of a kernel's ``checkpoint`` directory (or one chain's): its chains' draw
+        stores are opened lazily (dask-backed, merged by chain) with the groups
+        ``posterior`` and ``sample_stats``, so :func:`pyro_bdl.diagnostics.summary`
+        streams them from disk.
     :param int num_samples: draws to take from a guide (stored as chain 0).
     :param callable model: the Pyro model, for ``log_likelihood`` and
         ``posterior_predictive`` (default: the kernel's model).
@@ -87,9 +91,26 @@ def to_arviz(
     :param int seed: seed of that choice and of guide sampling.
     :param dict dims: named dimensions per site (ArviZ ``dims``).
     :param dict coords: coordinate values for those dimensions.
-    :param bool grouped_by_chain: whether a dict source has a leading chain dimension.
+    :param bool grouped_by_chain: whether a dict source has a leading chain dimension
+        (Pyro's ``group_by_chain=True``); never guessed from the shapes.
     :return: an ``xarray.DataTree``.
     """
+    model_kwargs = _check_arguments(
+        num_samples,
+        model,
+        model_args,
+        model_kwargs,
+        log_likelihood,
+        posterior_predictive,
+        var_names,
+        max_coords_per_var,
+        seed,
+        dims,
+        coords,
+        grouped_by_chain,
+    )
+    if isinstance(var_names, str):
+        var_names = [var_names]
     if isinstance(source, (str, os.PathLike)):
         return _open_store(
             source,
@@ -102,7 +123,6 @@ def to_arviz(
                 "model": model is not None,
             },
         )
-    model_kwargs = dict(model_kwargs or {})
     samples, stats, attrs, approximation, model = _read_source(
         source, num_samples, model, model_args, model_kwargs, seed, grouped_by_chain
     )
@@ -206,8 +226,12 @@ def _open_store(path, var_names: Sequence[str] | None, unsupported: Mapping[str,
 def _read_source(source, num_samples, model, model_args, model_kwargs, seed, grouped_by_chain):
     """(samples, sample_stats, attrs, approximation, model) of any supported source."""
     if isinstance(source, (MCMC, Chains)):
-        if isinstance(source, MCMC) and source._samples is None:
-            raise ValueError("to_arviz: the MCMC has no draws yet; call mcmc.run(...) first")
+        not_run = source._samples is None if isinstance(source, MCMC) else not source.chain_ids
+        if not_run:
+            raise ValueError(
+                f"to_arviz: source, the {type(source).__name__}, has no draws yet; call "
+                "its run(...) first"
+            )
         samples = _numpy(source.get_samples(group_by_chain=True))
         kernel = source.kernel
         stats = _sample_stats(source._diagnostics)
@@ -222,9 +246,7 @@ def _read_source(source, num_samples, model, model_args, model_kwargs, seed, gro
         }
         return samples, stats, attrs, {}, model or getattr(kernel, "model", None)
     if isinstance(source, Mapping):
-        samples = _numpy(source)
-        if not grouped_by_chain:
-            samples = {name: value[np.newaxis] for name, value in samples.items()}
+        samples = _checked_draws(source, grouped_by_chain)
         return samples, {}, {"method": "draws"}, {}, model
     if callable(source) and hasattr(source, "approximation_parameters"):
         if not num_samples:
@@ -252,6 +274,96 @@ def _read_source(source, num_samples, model, model_args, model_kwargs, seed, gro
         "to_arviz: source must be a run pyro.infer.MCMC, a Chains run, a fitted guide with "
         f"approximation_parameters(), or a dict of draws; got {type(source).__name__}"
     )
+
+
+def _check_arguments(
+    num_samples,
+    model,
+    model_args,
+    model_kwargs,
+    log_likelihood,
+    posterior_predictive,
+    var_names,
+    max_coords_per_var,
+    seed,
+    dims,
+    coords,
+    grouped_by_chain,
+) -> dict:
+    """Every keyword of :func:`to_arviz` checked at the call; the model's kwargs as a dict."""
+    if num_samples is not None:
+        integer("num_samples", num_samples, low=1)
+    if model is not None:
+        function("model", model, "a callable Pyro model or None")
+    if isinstance(model_args, (str, bytes)) or not isinstance(model_args, Sequence):
+        raise TypeError(
+            f"model_args must be a tuple of the model's arguments, got {type(model_args).__name__}"
+        )
+    if model_kwargs is not None:
+        instance("model_kwargs", model_kwargs, Mapping, "a dict of keyword arguments or None")
+    for name, value in (
+        ("log_likelihood", log_likelihood),
+        ("posterior_predictive", posterior_predictive),
+        ("grouped_by_chain", grouped_by_chain),
+    ):
+        instance(name, value, bool, "True or False")
+    if var_names is not None and not isinstance(var_names, str):
+        if not isinstance(var_names, Sequence) or not all(isinstance(v, str) for v in var_names):
+            raise TypeError(f"var_names must be a list of site names (str), got {var_names!r}")
+        if not var_names:
+            raise ValueError("var_names must name at least one site, got an empty list")
+    if max_coords_per_var is not None:
+        integer("max_coords_per_var", max_coords_per_var, low=1)
+    integer("seed", seed, low=0)
+    for name, value in (("dims", dims), ("coords", coords)):
+        if value is not None:
+            instance(name, value, Mapping, "a dict (or None)")
+    for site, names in (dims or {}).items():
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(
+                f"dims[{site!r}] must be a list of dimension names (str), got {names!r}"
+            )
+    return dict(model_kwargs or {})
+
+
+def _checked_draws(source: Mapping, grouped_by_chain: bool) -> dict[str, np.ndarray]:
+    """A dict of draws as numpy arrays ``(chain, draw, *shape)``, its shapes checked."""
+    if not source:
+        raise ValueError("to_arviz: source, the dict of draws, is empty")
+    for name, value in source.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"to_arviz: the keys of source, a dict of draws, must be site names, got {name!r}"
+            )
+        if not (torch.is_tensor(value) or isinstance(value, np.ndarray)):
+            raise TypeError(
+                f"to_arviz: source[{name!r}] must be a tensor or numpy array of draws, got "
+                f"{type(value).__name__}"
+            )
+    samples = _numpy(source)
+    leading = 2 if grouped_by_chain else 1
+    layout = "(chain, draw, ...)" if grouped_by_chain else "(draw, ...)"
+    for name, value in samples.items():
+        if value.ndim < leading or 0 in value.shape[:leading]:
+            raise ValueError(
+                f"to_arviz: source[{name!r}] has shape {value.shape}; a dict of draws is "
+                f"{layout}"
+                + (
+                    ""
+                    if grouped_by_chain
+                    else " (pass grouped_by_chain=True for (chain, draw, ...))"
+                )
+            )
+        if not np.issubdtype(value.dtype, np.number) and value.dtype != bool:
+            raise TypeError(f"to_arviz: source[{name!r}] has dtype {value.dtype}, not numbers")
+    sizes = {name: value.shape[:leading] for name, value in samples.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"to_arviz: the sites of source have different numbers of draws {layout[:-6]}): {sizes}"
+        )
+    if not grouped_by_chain:
+        samples = {name: value[np.newaxis] for name, value in samples.items()}
+    return samples
 
 
 def _first_batch(model_args, model_kwargs):
@@ -294,8 +406,6 @@ def _subset_coords(samples, max_coords_per_var, seed):
     """Keep at most ``max_coords_per_var`` entries per site, reproducibly."""
     if max_coords_per_var is None:
         return samples, {}, {}
-    if not isinstance(max_coords_per_var, int) or max_coords_per_var < 1:
-        raise ValueError(f"max_coords_per_var must be a positive int, got {max_coords_per_var!r}")
     kept, dims, coords = {}, {}, {}
     for name, value in samples.items():
         size = int(np.prod(value.shape[2:], dtype=int))
@@ -358,6 +468,12 @@ def _pointwise(model, samples, model_args, model_kwargs, predict: bool) -> dict:
                     )
                     predictive[name][chain, draw] = predicted
                     observed[name] = obs
+    if not log_lik:
+        raise ValueError(
+            "log_likelihood / posterior_predictive: the model observes nothing when called "
+            "with these model_args and model_kwargs; pass the observations (e.g. the labels) "
+            "in model_args"
+        )
     return {"log_likelihood": log_lik, "posterior_predictive": predictive, "observed": observed}
 
 
@@ -365,11 +481,10 @@ def _observed_sites(model, values, args, kwargs, predict: bool) -> dict:
     """Observed site -> (per-example log likelihood, predicted value, observed value)."""
     # uncondition inside condition: the observed sites are sampled (the prediction,
     # keeping the observation in infer["obs"]) while the latent sites stay at the draw.
+    # The draws are on the CPU; condition_on_sites moves each to its site's device.
     runnable = pyro.poutine.uncondition(model) if predict else model
     with torch.no_grad():
-        trace = pyro.poutine.trace(pyro.poutine.condition(runnable, data=values)).get_trace(
-            *args, **kwargs
-        )
+        trace = pyro.poutine.trace(condition_on_sites(runnable, values)).get_trace(*args, **kwargs)
     sites = {}
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or name in values or site_is_subsample(site):

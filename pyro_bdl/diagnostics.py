@@ -37,6 +37,8 @@ import xarray as xr
 from scipy.fft import irfft, next_fast_len, rfft
 from scipy.special import ndtri
 
+from pyro_bdl._checks import instance, integer, one_of, probability
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -265,8 +267,8 @@ def summary(
     :param int num_threads: number of chunks processed in parallel.
     :rtype: xarray.Dataset or pandas.DataFrame
     """
-    if fmt not in ("xarray", "dataframe"):
-        raise ValueError(f'fmt must be "xarray" or "dataframe", got {fmt!r}')
+    one_of("fmt", fmt, ("xarray", "dataframe"))
+    instance("group", group, str, "the name of a group (str)")
     dataset = _select_variables(_group_dataset(idata, group), var_names)
     result = xr.Dataset(
         {
@@ -287,6 +289,11 @@ def summary(
 
 def _as_draws(samples: np.ndarray | torch.Tensor) -> np.ndarray:
     """A numpy view (no float64 copy of the whole posterior) of ``samples``, validated."""
+    if not isinstance(samples, (torch.Tensor, np.ndarray)):
+        raise TypeError(
+            "samples must be a numpy array or torch tensor shaped (chain, draw, *coords), got "
+            f"{type(samples).__name__}"
+        )
     if isinstance(samples, torch.Tensor):
         samples = samples.detach().cpu()
         if samples.dtype == torch.bfloat16:  # numpy has no bfloat16
@@ -300,6 +307,10 @@ def _as_draws(samples: np.ndarray | torch.Tensor) -> np.ndarray:
         )
     if not (np.issubdtype(samples.dtype, np.number) or samples.dtype == bool):
         raise TypeError(f"samples must be numeric, got dtype {samples.dtype}")
+    if np.iscomplexobj(samples):
+        raise TypeError(f"samples must be real, got dtype {samples.dtype}")
+    if 0 in samples.shape[:2]:
+        raise ValueError(f"samples has no draws: shape {samples.shape} (chain, draw, ...)")
     return samples
 
 
@@ -319,9 +330,8 @@ def _diagnose(
     are in memory. As in arviz, a coordinate with a ``nan`` draw gets ``nan``, and too few
     chains or draws give ``nan`` diagnostics.
     """
-    for name, value in (("chunk_size", chunk_size), ("num_threads", num_threads)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    chunk_size = integer("chunk_size", chunk_size, low=1)
+    num_threads = integer("num_threads", num_threads, low=1)
     levels = _tail_levels(prob)
     draws = _as_draws(samples)
     num_chains, num_draws, *coord_shape = draws.shape
@@ -369,13 +379,16 @@ def _tail_levels(prob: float | tuple[float, float] | None) -> tuple[float, float
         from arviz_base import rcParams
 
         prob = rcParams["stats.ci_prob"]
-    levels = prob if isinstance(prob, Sequence) else sorted((prob, 1 - prob))
-    if len(levels) != 2 or not all(0 <= level <= 1 for level in levels):
-        raise ValueError(
+    if isinstance(prob, (str, bytes)) or (isinstance(prob, Sequence) and len(prob) != 2):
+        raise TypeError(
             "prob must be a probability p in (0, 1] or a pair of quantile levels in [0, 1], "
             f"got {prob!r}"
         )
-    return levels[0], levels[1]
+    if isinstance(prob, Sequence):
+        return probability("prob[0]", prob[0]), probability("prob[1]", prob[1])
+    prob = probability("prob", prob, open_low=True)
+    low, high = sorted((prob, 1 - prob))
+    return low, high
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,6 +591,10 @@ def _select_variables(dataset: xr.Dataset, var_names: Sequence[str] | None) -> x
         return dataset
     if isinstance(var_names, str):
         var_names = [var_names]
+    if not isinstance(var_names, Sequence) or not all(isinstance(n, str) for n in var_names):
+        raise TypeError(f"var_names must be a variable name or a list of them, got {var_names!r}")
+    if not var_names:
+        raise ValueError("var_names must name at least one variable, got an empty list")
     missing = [name for name in var_names if name not in dataset.data_vars]
     if missing:
         raise ValueError(

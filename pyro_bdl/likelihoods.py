@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import math
+
 import pyro
 import pyro.distributions as dist
 import torch
 from pyro.poutine.runtime import get_plates
+from torch.distributions import constraints
 
-__all__ = ["observe"]
+from pyro_bdl._checks import instance, integer
+
+__all__ = ["observe", "ObservationError", "invalid_observations", "NUM_DATA_KEY"]
+
+#: The key under which :func:`observe` records, in the site's ``infer`` dict, the
+#: data-set size N its log likelihood is scaled to (None when none was given: the
+#: batch counts once; read by
+#: :func:`pyro_bdl.inference.log_joint.observed_num_data`).
+NUM_DATA_KEY = "bdl_num_data"
+
+
+class ObservationError(ValueError):
+    """Observed values outside the support of their likelihood (e.g. a label 5 for 4
+    classes)."""
 
 
 def observe(
@@ -27,6 +43,14 @@ def observe(
     are summed within each example. ``obs=None`` samples the observation
     (prediction).
 
+    Observations outside the distribution's support (a label 5 for 4 classes, a
+    negative count) are an error. Where the distribution validates its arguments
+    (Pyro's default) :func:`observe` raises at once. Where validation is off, as in
+    ``pyro.infer.MCMC``, it does not read the device: such an observation is replaced
+    by a valid value, so that no index runs out of bounds on a GPU, and its log
+    likelihood is made NaN, which the SGMCMC kernels' finiteness check reports as
+    this error, naming the step.
+
     Example::
 
         logits = net(x)
@@ -40,6 +64,18 @@ def observe(
         an entry, e.g. a padding token).
     :return: the observed (or sampled) value.
     """
+    instance("name", name, str, "a site name (str)")
+    instance("distribution", distribution, torch.distributions.Distribution, "a Pyro distribution")
+    if obs is not None:
+        instance("obs", obs, torch.Tensor, "a tensor of observed values or None")
+    if num_data is not None:
+        num_data = integer("num_data", num_data, low=1)
+    if mask is not None:
+        instance("mask", mask, torch.Tensor, "a boolean tensor or None")
+        if mask.is_floating_point() or mask.is_complex():
+            raise TypeError(
+                f"mask must be a boolean (or 0 / 1 integer) tensor, got dtype {mask.dtype}"
+            )
     batch_shape = distribution.batch_shape
     if len(batch_shape) == 0:
         raise ValueError(
@@ -52,6 +88,8 @@ def observe(
     outer = max((-frame.dim for frame in get_plates() if frame.dim is not None), default=1) - 1
     outer = min(outer, len(batch_shape) - 1)
     batch_size = batch_shape[outer]
+    if batch_size == 0:
+        raise ValueError(f"observe({name!r}): the batch is empty (batch shape {batch_shape})")
     if obs is not None:
         expected = batch_shape + distribution.event_shape
         if obs.shape not in (expected, expected[outer:]):
@@ -68,16 +106,111 @@ def observe(
                 f"shape {tuple(batch_shape)}"
             )
         distribution = distribution.mask(mask.bool())
+    infer = {NUM_DATA_KEY: num_data}
     if num_data is None:
         num_data = batch_size
-    elif isinstance(num_data, bool) or not isinstance(num_data, int) or num_data < batch_size:
-        raise ValueError(
-            f"observe({name!r}): num_data must be an int at least the minibatch size "
-            f"{batch_size} (the size of the whole training set), got {num_data!r}"
-        )
-    distribution = distribution.to_event(len(batch_shape) - 1 - outer)
+    else:
+        if num_data < batch_size:
+            raise ValueError(
+                f"observe({name!r}): num_data must be the size of the whole training set, at "
+                f"least the minibatch size {batch_size}, got {num_data}"
+            )
+    scale = 1.0
+    per_example = len(batch_shape) - 1 - outer  # batch dims summed within an example
+    if obs is not None and not _is_real(distribution.support):
+        obs, scale = _check_support(name, distribution, obs, per_example, mask)
+    distribution = distribution.to_event(per_example)
     # Passing the subsample indices ourselves keeps Pyro from drawing a random
     # permutation of num_data at every step: the DataLoader already chose the batch.
-    indices = torch.arange(batch_size)
-    with pyro.plate(f"{name}_data", size=num_data, subsample=indices):
-        return pyro.sample(name, distribution, obs=obs)
+    indices = torch.arange(
+        batch_size, device=obs.device if obs is not None else _device(distribution)
+    )
+    with (
+        pyro.plate(f"{name}_data", size=num_data, subsample=indices),
+        pyro.poutine.scale(scale=scale),
+    ):
+        return pyro.sample(name, distribution, obs=obs, infer=infer)
+
+
+def _check_support(name: str, distribution, obs: torch.Tensor, per_example: int, mask=None):
+    """``obs`` made safe to score and the scale that marks invalid examples, or an error
+    (entries the mask drops, such as padding labels, may hold anything).
+
+    :return: ``(obs, scale)``: with validation, ``obs`` itself and 1 (or a ValueError);
+        without, invalid entries replaced by a valid value and a scale that is NaN on
+        the examples that hold them, read by whoever checks the log joint for NaN.
+    """
+    support = distribution.support
+    inside = support.check(obs)
+    if mask is not None:
+        inside = inside | ~mask.bool()
+    if getattr(distribution, "_validate_args", False):
+        if not bool(inside.all()):
+            raise ObservationError(_outside_support_message(name, distribution, obs, inside))
+        return obs, 1.0
+    if support.is_discrete and support.event_dim == 0 and inside.shape == obs.shape:
+        # Categorical indexes its logits with the label: out of range is a device
+        # assertion on a GPU, so score a valid label and mark the example instead.
+        obs = torch.where(inside, obs, _lowest_value(support, obs))
+    valid = inside.flatten(inside.dim() - per_example).all(-1) if per_example else inside
+    scale = torch.where(valid, 1.0, math.nan).to(_real_dtype(obs))
+    return obs, scale
+
+
+def invalid_observations(trace: pyro.poutine.Trace) -> list[str]:
+    """The observed sites of a trace made with validation off whose observations
+    :func:`observe` found outside the support (one read of the device per such site).
+    """
+    return [
+        name
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and NUM_DATA_KEY in site["infer"]
+        and torch.is_tensor(site["scale"])
+        and bool(torch.isnan(site["scale"]).any())
+    ]
+
+
+def _outside_support_message(name, distribution, obs, inside) -> str:
+    bad = (~inside).nonzero()
+    positions = [tuple(i) if len(i) > 1 else i[0] for i in bad[:5].tolist()]
+    values = obs[tuple(bad[:5].T)].tolist() if inside.shape == obs.shape else "see positions"
+    kind = type(getattr(distribution, "base_dist", distribution)).__name__
+    return (
+        f"observe({name!r}): obs has {len(bad)} value(s) outside the support "
+        f"{distribution.support} of the {kind} likelihood, e.g. {values} at batch "
+        f"position(s) {positions}; labels must be valid for the likelihood (class "
+        "indices in [0, classes - 1] for a Categorical)"
+    )
+
+
+def _lowest_value(support, like: torch.Tensor) -> torch.Tensor:
+    lower = getattr(support, "lower_bound", 0)
+    return torch.as_tensor(lower, dtype=like.dtype, device=like.device)
+
+
+def _real_dtype(like: torch.Tensor) -> torch.dtype:
+    return like.dtype if like.is_floating_point() else torch.get_default_dtype()
+
+
+def _is_real(support) -> bool:
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    return support in (constraints.real, constraints.real_vector)
+
+
+def _parameter(distribution, floating: bool = False) -> torch.Tensor | None:
+    """A tensor parameter of a distribution, for its device and dtype (lazy parameters,
+    such as the ``probs`` of a ``Categorical`` given ``logits``, are not computed)."""
+    while distribution is not None:
+        for key in getattr(distribution, "arg_constraints", {}):
+            value = distribution.__dict__.get(key)
+            if torch.is_tensor(value) and (value.is_floating_point() or not floating):
+                return value
+        distribution = getattr(distribution, "base_dist", None)
+    return None
+
+
+def _device(distribution) -> torch.device:
+    parameter = _parameter(distribution)
+    return torch.device("cpu") if parameter is None else parameter.device

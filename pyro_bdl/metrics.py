@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from scipy.stats import rankdata
 
+from pyro_bdl._checks import integer
+
 __all__ = [
     "ROW_SUM_ATOL",
     "ReliabilityCurve",
@@ -159,8 +161,7 @@ def reliability_curve(
     :param int num_bins: number of equal-width confidence bins :math:`M`.
     :rtype: ReliabilityCurve
     """
-    if not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"num_bins must be a positive integer, got {num_bins!r}")
+    num_bins = integer("num_bins", num_bins, low=1)
     probs, labels = _validate(probs, labels)
     confidence, prediction = probs.double().max(dim=-1)
     correct = (prediction == labels).double()
@@ -288,6 +289,7 @@ def summarize(probs: ArrayLike, labels: ArrayLike, num_bins: int = _NUM_BINS) ->
     :param int num_bins: number of confidence bins of the ECE.
     :rtype: dict
     """
+    num_bins = integer("num_bins", num_bins, low=1)
     probs, labels = _validate(probs, labels)
     return {
         "accuracy": accuracy(probs, labels),

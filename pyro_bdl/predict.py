@@ -5,6 +5,9 @@ for like: a tensor of class probabilities shaped ``(draws, batch, classes)``, on
 softmax per weight draw (``draws = 1`` for a point estimate). The mean over the first
 dimension is the Bayesian model average; :func:`pyro_bdl.metrics.uncertainty_decomposition`
 splits its entropy into aleatoric and epistemic parts.
+
+Draws may live anywhere (on the CPU, read back from disk or ArviZ) and the model on a
+GPU: :func:`condition_on_sites` puts each value where its site's distribution is.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ from collections.abc import Callable, Mapping
 
 import pyro
 import torch
+from pyro.poutine.condition_messenger import ConditionMessenger
 
-__all__ = ["predict_proba"]
+from pyro_bdl._checks import function, instance, integer
+from pyro_bdl.likelihoods import _device, _parameter
+
+__all__ = ["predict_proba", "condition_on_sites"]
 
 
 def predict_proba(
@@ -28,9 +35,10 @@ def predict_proba(
     """Softmax of the logits ``model(*args)`` returns, one per weight draw.
 
     Give either ``samples`` (a dict of draws, e.g. ``mcmc.get_samples()``, each
-    ``(S, *shape)``) or a ``guide`` with ``num_samples``; with neither the model runs
-    once at the values Pyro's handlers give it (e.g. inside ``net.fixed(...)``). The
-    observation site is left unobserved and ignored: only the returned logits count.
+    ``(S, *shape)``, on any device) or a ``guide`` with ``num_samples``; with neither
+    the model runs once at the values Pyro's handlers give it (e.g. inside
+    ``net.fixed(...)``). The observation site is left unobserved and ignored: only the
+    returned logits count.
 
     Example::
 
@@ -43,24 +51,88 @@ def predict_proba(
     :param int num_samples: number of guide draws.
     :return: probabilities ``(S, batch, classes)``.
     """
+    function("model", model, "a callable Pyro model returning logits")
     if samples is not None and guide is not None:
         raise ValueError("predict_proba: pass samples or guide, not both")
-    if guide is not None and not num_samples:
-        raise ValueError("predict_proba: with a guide, pass num_samples >= 1")
+    if guide is not None:
+        function("guide", guide, "a callable Pyro guide or None")
+        if num_samples is None:
+            raise ValueError("predict_proba: with a guide, pass num_samples >= 1")
+    if num_samples is not None:
+        integer("num_samples", num_samples, low=1)
+    if samples is not None:
+        num_draws = _num_draws(samples)
     with torch.no_grad():
         if samples is None and guide is None:
             logits = pyro.poutine.trace(model).get_trace(*args, **kwargs).nodes["_RETURN"]
-            return torch.softmax(logits["value"], dim=-1).unsqueeze(0)
-        num_draws = len(next(iter(samples.values()))) if samples is not None else num_samples
+            return torch.softmax(_checked_logits(logits["value"]), dim=-1).unsqueeze(0)
+        num_draws = num_draws if samples is not None else num_samples
         draws = []
         for i in range(num_draws):
             if samples is not None:
                 one = {name: value[i] for name, value in samples.items()}
-                logits = pyro.poutine.condition(model, data=one)(*args, **kwargs)
+                logits = condition_on_sites(model, one)(*args, **kwargs)
             else:
                 logits = _guide_logits(model, guide, args, kwargs)
-            draws.append(torch.softmax(logits, dim=-1))
+            draws.append(torch.softmax(_checked_logits(logits), dim=-1))
         return torch.stack(draws)
+
+
+def condition_on_sites(model: Callable, values: Mapping[str, torch.Tensor]) -> Callable:
+    """``pyro.poutine.condition(model, values)`` with each value moved to the device (and
+    floating dtype) of its site's distribution, so CPU draws condition a CUDA model.
+
+    :param callable model: a Pyro model.
+    :param dict values: site name -> value (a tensor or array).
+    """
+    return _ConditionOnSites(values)(model)
+
+
+class _ConditionOnSites(ConditionMessenger):
+    def _pyro_sample(self, msg: dict) -> None:
+        super()._pyro_sample(msg)
+        value = msg["value"]
+        if msg["name"] in self.data and value is not None:
+            value = torch.as_tensor(value)
+            expected = msg["fn"].shape()
+            if value.shape != expected:
+                raise ValueError(
+                    f"the value of site {msg['name']!r} has shape {tuple(value.shape)}, but the "
+                    f"site has shape {tuple(expected)}: pass one draw per site, i.e. draws "
+                    "shaped (S, *site shape) such as mcmc.get_samples() (not grouped by chain)"
+                )
+            like = _parameter(msg["fn"], floating=True)
+            device = like.device if like is not None else _device(msg["fn"])
+            dtype = like.dtype if like is not None and value.is_floating_point() else None
+            msg["value"] = value.to(device=device, dtype=dtype)
+
+
+def _num_draws(samples: object) -> int:
+    instance("samples", samples, Mapping, "a dict of draws (site -> (S, *shape)) or None")
+    if not samples:
+        raise ValueError("samples is an empty dict; pass draws of the model's latent sites")
+    sizes = {}
+    for name, value in samples.items():
+        if not torch.is_tensor(value):
+            raise TypeError(
+                f"samples[{name!r}] must be a tensor of draws (S, *shape), got "
+                f"{type(value).__name__}"
+            )
+        if value.dim() == 0 or len(value) == 0:
+            raise ValueError(f"samples[{name!r}] has shape {tuple(value.shape)}: no draws")
+        sizes[name] = len(value)
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"samples: the sites have different numbers of draws {sizes}")
+    return next(iter(sizes.values()))
+
+
+def _checked_logits(logits: object) -> torch.Tensor:
+    if not torch.is_tensor(logits) or logits.dim() < 2 or not logits.is_floating_point():
+        got = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
+        raise ValueError(
+            f"predict_proba: the model must return logits shaped (batch, classes), got {got}"
+        )
+    return logits
 
 
 def _guide_logits(model: Callable, guide: Callable, args: tuple, kwargs: dict) -> torch.Tensor:

@@ -20,6 +20,8 @@ from typing import Protocol, runtime_checkable
 import pyro.distributions as dist
 import torch
 
+from pyro_bdl._checks import function, instance, real
+
 __all__ = [
     "Prior",
     "IIDNormal",
@@ -54,10 +56,13 @@ def normal_prior(param: torch.Tensor, loc: float | torch.Tensor, scale: float | 
     :param loc: mean, a number or a tensor broadcastable to ``param``.
     :param scale: standard deviation, a number or a tensor broadcastable to ``param``.
     """
-    if isinstance(loc, (int, float)) and isinstance(scale, (int, float)):
-        return IsotropicNormal(float(loc), float(scale), param)
-    loc = torch.as_tensor(loc, dtype=param.dtype, device=param.device)
-    scale = torch.as_tensor(scale, dtype=param.dtype, device=param.device)
+    instance("param", param, torch.Tensor, "the weight tensor the prior is for")
+    if not param.is_floating_point():
+        raise TypeError(f"param must be a floating-point tensor, got dtype {param.dtype}")
+    if not torch.is_tensor(loc) and not torch.is_tensor(scale):
+        return IsotropicNormal(real("loc", loc), real("scale", scale, positive=True), param)
+    loc = _checked_tensor("loc", loc, param)
+    scale = _checked_tensor("scale", scale, param, positive=True)
     return dist.Normal(loc, scale).expand(param.shape).to_event(param.dim())
 
 
@@ -84,6 +89,24 @@ def normal_parameters(
     return base.loc.detach().expand(like.shape), base.scale.detach().expand(like.shape)
 
 
+def _checked_tensor(name: str, value, param: torch.Tensor, positive: bool = False) -> torch.Tensor:
+    """``value`` as a tensor like ``param``, finite (and positive), broadcastable to it."""
+    if not torch.is_tensor(value):
+        value = real(name, value, positive=positive)
+    value = torch.as_tensor(value, dtype=param.dtype, device=param.device)
+    if not bool(torch.isfinite(value).all()) or (positive and not bool((value > 0).all())):
+        kind = "positive and finite" if positive else "finite"
+        raise ValueError(f"{name} must be {kind} everywhere, got {value.flatten()[:5].tolist()}")
+    try:
+        torch.broadcast_shapes(value.shape, param.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)}, which does not broadcast to the "
+            f"parameter's shape {tuple(param.shape)}"
+        ) from None
+    return value
+
+
 class IsotropicNormal(dist.Independent):
     """``Normal(loc, scale)`` on every entry of a tensor, loc and scale numbers.
 
@@ -100,6 +123,8 @@ class IsotropicNormal(dist.Independent):
     """
 
     def __init__(self, loc: float, scale: float, like: torch.Tensor, validate_args=None):
+        loc, scale = real("loc", loc), real("scale", scale, positive=True)
+        instance("like", like, torch.Tensor, "a tensor of the event shape, dtype and device")
         self.loc_value, self.scale_value = loc, scale
         base = dist.Normal(
             torch.tensor(loc, dtype=like.dtype, device=like.device).expand(like.shape),
@@ -137,10 +162,8 @@ class IIDNormal:
     """
 
     def __init__(self, scale: float = 1.0, loc: float = 0.0):
-        if not scale > 0:
-            raise ValueError(f"IIDNormal: scale must be positive, got {scale}")
-        self.scale = float(scale)
-        self.loc = float(loc)
+        self.scale = real("scale", scale, positive=True)
+        self.loc = real("loc", loc)
 
     def distribution(self, name: str, param: torch.Tensor) -> dist.TorchDistribution:
         return normal_prior(param, self.loc, self.scale)
@@ -168,15 +191,17 @@ class LayerwiseNormal:
         scale: Mapping[str, float] | Callable[[str, torch.Tensor], float],
         default: float | None = None,
     ):
-        if not (callable(scale) or isinstance(scale, Mapping)):
-            raise TypeError(
-                "LayerwiseNormal: scale must be a mapping name -> float or a callable "
-                f"(name, param) -> float, got {type(scale).__name__}"
-            )
-        if default is not None and not default > 0:
-            raise ValueError(f"LayerwiseNormal: default must be positive, got {default}")
+        if isinstance(scale, Mapping):
+            scale = {
+                instance("scale key", name, str, "a parameter name (str)"): real(
+                    f"scale[{name!r}]", value, positive=True
+                )
+                for name, value in scale.items()
+            }
+        else:
+            function("scale", scale, "a mapping name -> float or a callable (name, param) -> float")
         self.scale = scale
-        self.default = default
+        self.default = None if default is None else real("default", default, positive=True)
 
     @classmethod
     def fan_in(cls, gain: float = 1.0, bias_scale: float = 1.0) -> LayerwiseNormal:
@@ -188,6 +213,9 @@ class LayerwiseNormal:
         :param float gain: numerator of the weight scale.
         :param float bias_scale: scale of one-dimensional tensors (biases, norms).
         """
+
+        gain = real("gain", gain, positive=True)
+        bias_scale = real("bias_scale", bias_scale, positive=True)
 
         def scale(name: str, param: torch.Tensor) -> float:
             if param.dim() < 2:
@@ -209,9 +237,7 @@ class LayerwiseNormal:
                 f"LayerwiseNormal has no scale for {name!r}: add it to the mapping or pass "
                 "default=..."
             )
-        if not value > 0:
-            raise ValueError(f"LayerwiseNormal: scale of {name!r} must be positive, got {value}")
-        return float(value)
+        return real(f"the scale of {name!r}", value, positive=True)
 
     def distribution(self, name: str, param: torch.Tensor) -> dist.TorchDistribution:
         return normal_prior(param, 0.0, self.scale_of(name, param))

@@ -190,3 +190,54 @@ def test_guide_source_has_an_approximation_group():
     assert tree.attrs["method"] == "Guide" and tree.attrs["init_scale"] == 0.1
     with pytest.raises(ValueError, match="num_samples"):
         bdl.to_arviz(guide)
+
+
+def test_a_dict_of_draws_follows_pyro_get_samples_convention(run):
+    # Issue 10, item 3: mcmc.get_samples() is (draws, ...); 40 draws are not 40 chains.
+    x, y, model, mcmc = run
+    tree = bdl.to_arviz(mcmc.get_samples())
+    assert dict(tree["posterior"].sizes)["chain"] == 1
+    assert tree["posterior"]["weight"].shape == (1, 40, 3, 4)
+    grouped = bdl.to_arviz(mcmc.get_samples(group_by_chain=True), grouped_by_chain=True)
+    assert grouped["posterior"]["weight"].shape == (2, 20, 3, 4)
+    np.testing.assert_array_equal(
+        grouped["posterior"]["bias"].values, mcmc.get_samples(group_by_chain=True)["bias"].numpy()
+    )
+    with pytest.raises(ValueError, match="different numbers of draws"):
+        bdl.to_arviz({"a": torch.zeros(5, 2), "b": torch.zeros(4)})
+    with pytest.raises(
+        ValueError, match=r"source\['a'\] has shape \(5,\).*\(chain, draw, \.\.\.\)"
+    ):
+        bdl.to_arviz({"a": torch.zeros(5)}, grouped_by_chain=True)
+
+
+def test_draws_of_another_dtype_are_conditioned_into_the_model_at_its_dtype(run):
+    # CPU (here float32) draws go to the device and dtype of each site of the model.
+    x, y, model, mcmc = run
+    draws = {name: value.float() for name, value in mcmc.get_samples().items()}
+    tree = bdl.to_arviz(draws, model=model, model_args=(x, y), log_likelihood=True)
+    reference = bdl.to_arviz(
+        mcmc.get_samples(), model=model, model_args=(x, y), log_likelihood=True
+    )
+    np.testing.assert_allclose(
+        tree["log_likelihood"]["y"].values, reference["log_likelihood"]["y"].values, rtol=1e-5
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cpu_draws_are_conditioned_into_a_cuda_model(run):
+    x, y, model, mcmc = run
+    net = bdl.lift(torch.nn.Linear(4, 3).double().cuda(), bdl.priors.IIDNormal(1.0))
+
+    def cuda_model(x, y, num_data=NUM_DATA):
+        logits = net(x.cuda())
+        bdl.observe("y", dist.Categorical(logits=logits), y.cuda(), num_data)
+        return logits
+
+    tree = bdl.to_arviz(
+        mcmc, model=cuda_model, model_args=(x, y), log_likelihood=True, posterior_predictive=True
+    )
+    reference = bdl.to_arviz(mcmc, model_args=(x, y), log_likelihood=True)
+    np.testing.assert_allclose(
+        tree["log_likelihood"]["y"].values, reference["log_likelihood"]["y"].values, rtol=1e-6
+    )

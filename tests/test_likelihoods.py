@@ -58,6 +58,12 @@ def test_shape_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_data must be"):
         bdl.observe("y", dist.Normal(torch.zeros(3), 1.0), torch.zeros(3), 2)
     with pytest.raises(ValueError, match="mask has shape"):
-        bdl.observe("y", dist.Normal(torch.zeros(3), 1.0), torch.zeros(3), 3, mask=torch.ones(2))
+        bdl.observe(
+            "y",
+            dist.Normal(torch.zeros(3), 1.0),
+            torch.zeros(3),
+            3,
+            mask=torch.ones(2, dtype=torch.bool),
+        )
     with pytest.raises(ValueError, match="no batch dimension"):
         bdl.observe("y", dist.Normal(0.0, 1.0), torch.tensor(0.0), 3)

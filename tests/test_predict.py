@@ -49,3 +49,27 @@ def test_guide_draws_and_fixed_weights():
     assert torch.allclose(fixed, torch.full((1, 5, 4), 0.25, dtype=torch.float64))
     with pytest.raises(ValueError, match="num_samples"):
         predict_proba(model, x, 10, guide=guide)
+
+
+def test_draws_of_another_dtype_or_device_are_moved_to_the_sites():
+    net, model = _classifier()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    samples = {"weight": torch.randn(2, 4, 3), "bias": torch.randn(2, 4)}  # float32
+    probs = predict_proba(model, x, 10, samples=samples)
+    expected = torch.softmax(x @ samples["weight"][1].double().T + samples["bias"][1].double(), -1)
+    assert probs.dtype == torch.float64 and torch.allclose(probs[1], expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cpu_draws_predict_with_a_cuda_model():
+    torch.manual_seed(0)
+    net = bdl.lift(torch.nn.Linear(3, 4).double().cuda())
+
+    def model(x, num_data):
+        logits = net(x.cuda())
+        bdl.observe("y", dist.Categorical(logits=logits), None, num_data)
+        return logits
+
+    samples = {"weight": torch.randn(2, 4, 3).double(), "bias": torch.randn(2, 4).double()}
+    probs = predict_proba(model, torch.randn(5, 3).double(), 10, samples=samples)
+    assert probs.is_cuda and probs.shape == (2, 5, 4)

@@ -50,7 +50,7 @@ def test_normal_parameters_read_every_independent_normal_and_nothing_else():
 
 
 def test_iid_normal_rejects_a_non_positive_scale():
-    with pytest.raises(ValueError, match="scale must be positive"):
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
         bdl.priors.IIDNormal(0.0)
 
 

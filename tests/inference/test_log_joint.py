@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pyro_bdl as bdl
-from pyro_bdl.inference.log_joint import LogJoint
+from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 
 
 def _model():
@@ -66,3 +66,51 @@ def test_a_latent_site_missing_from_values_is_an_error():
     with pytest.raises(KeyError, match="latent site 'extra'"):
         with LogJoint({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}):
             model(torch.zeros(1, 3, dtype=torch.float64), torch.tensor([0]))
+
+
+def _trace(model, *args):
+    return pyro.poutine.trace(model).get_trace(*args)
+
+
+def test_observed_num_data_reads_the_scale_of_bdl_observe_and_of_subsampled_plates():
+    x = torch.randn(4)
+
+    def observed(batch, num_data):
+        bdl.observe("y", dist.Normal(torch.zeros(4), 1.0), batch, num_data)
+
+    def plated(batch, num_data):
+        with pyro.plate("data", num_data, subsample=torch.arange(4)):
+            pyro.sample("y", dist.Normal(0.0, 1.0), obs=batch)
+
+    for model in (observed, plated):
+        assert observed_num_data(_trace(model, x, 100)) == 100
+        assert observed_num_data(_trace(model, x, 100), 100) == 100
+        with pytest.raises(ValueError, match="num_data=50, but the observed site 'y' is scaled"):
+            observed_num_data(_trace(model, x, 100), 50)
+
+
+def test_an_observed_site_without_a_num_data_scale_is_refused():
+    # Issue 10, item 11: the model subsamples with its own plate of the batch's size, so
+    # a minibatch of 4 would count as the whole data set of 100.
+    def model(batch):
+        with pyro.plate("data", len(batch)):
+            pyro.sample("y", dist.Normal(0.0, 1.0), obs=batch)
+
+    trace = _trace(model, torch.randn(4))
+    with pytest.raises(ValueError, match=r"observed site 'y' has a batch of 4 examples and no"):
+        observed_num_data(trace, 100)
+    assert observed_num_data(trace, 4) == 4  # the batch is the whole data set
+    assert observed_num_data(trace) is None
+    assert observed_num_data(trace, full_batch=True) == 4
+
+    def without_num_data(batch):
+        bdl.observe("y", dist.Normal(torch.zeros(len(batch)), 1.0), batch)
+
+    with pytest.raises(ValueError, match="has a batch of 4 examples and no num_data scale"):
+        observed_num_data(_trace(without_num_data, torch.randn(4)), 100)
+
+    def one_global_observation(batch):
+        pyro.sample("constraint", dist.Normal(0.0, 1.0), obs=torch.tensor(0.0))
+        bdl.observe("y", dist.Normal(torch.zeros(len(batch)), 1.0), batch, 100)
+
+    assert observed_num_data(_trace(one_global_observation, torch.randn(4))) == 100

@@ -21,11 +21,22 @@ data-parallel: every rank starts from rank 0's values, steps on its shard of a
 ranks before the update (each rank's is scaled N / B_local, so their mean is the global
 batch's), and the noise is rank 0's draw: the chain is the one a single process runs with
 the global batch. :class:`~pyro_bdl.inference.Chains` instead runs whole chains per rank.
+
+**No device sync per step.** The potential energy stays on the device. A step reads
+one scalar, its potential, to stop a diverging chain: on the CPU at once (a read costs
+nothing there), on a GPU one step late, from a copy queued into pinned memory right
+after the potential was computed, so the read never waits for the work queued since.
+"Promptly" therefore means: before the update of the step whose potential is
+non-finite on the CPU, before the update of the next step on a GPU, and in every case
+before a draw is kept, so no non-finite draw is ever kept. The statistics of a kept
+draw (potential, gradient norm, kinetic temperature) are read together, once per kept
+draw.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -37,11 +48,13 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl import distributed
+from pyro_bdl._checks import function, instance, integer, real
 from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
 from pyro_bdl.inference.sgmcmc.schedules import Constant
 from pyro_bdl.lift import init_to_module
+from pyro_bdl.likelihoods import ObservationError, invalid_observations
 
 __all__ = ["SGMCMCKernel", "DivergenceError"]
 
@@ -49,24 +62,22 @@ __all__ = ["SGMCMCKernel", "DivergenceError"]
 class DivergenceError(RuntimeError):
     """A chain produced a non-finite potential or parameter and was stopped.
 
+    The message says what was non-finite at that step: the data, a prior or one of its
+    parameters, a likelihood parameter (a hyperparameter of the model), the gradient,
+    the step size from the schedule, or the parameters themselves (the chain blew up).
+
     :ivar int step: the kernel step (from 0, warm-up included) that diverged.
+    :ivar str cause: what was non-finite, in words.
     :ivar dict draws: the draws kept before it, site name -> (num_draws, *shape).
     :ivar dict sample_stats: the statistics of those draws.
     """
 
-    def __init__(self, message: str, step: int, draws: dict, sample_stats: dict):
+    def __init__(self, message: str, step: int, draws: dict, sample_stats: dict, cause: str = ""):
         super().__init__(message)
         self.step = step
+        self.cause = cause
         self.draws = draws
         self.sample_stats = sample_stats
-
-
-def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
-    ok = value >= 0 if allow_zero else value > 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
-        bound = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"{name} must be a {bound} number, got {value!r}")
-    return float(value)
 
 
 class SGMCMCKernel(MCMCKernel):
@@ -82,7 +93,7 @@ class SGMCMCKernel(MCMCKernel):
     :param float temperature: :math:`T \\ge 0`; 1 is the Bayesian posterior, 0 is
         optimisation.
     :param int num_data: the data-set size N (default: the ``num_data`` of the model's
-        ``bdl.observe`` site).
+        ``bdl.observe`` site; a model whose batch is the whole data set needs neither).
     :param int thin: kernel steps per kept draw (after warm-up; each warm-up iteration
         is one step).
     :param callable schedule: ``t -> multiplier`` of the step size, see
@@ -93,7 +104,7 @@ class SGMCMCKernel(MCMCKernel):
     :param checkpoint: a directory; every kept draw and the chain's state are written
         there, and a run started with the same directory resumes where it stopped.
     :param int checkpoint_every: during warm-up, steps between state checkpoints.
-    :param bool keep_draws: keep the draws in the kernel too (they are what
+    :param bool keep_draws: keep the draws in the kernel too, on the CPU (they are what
         :class:`DivergenceError` returns; the default); with a checkpoint they are
         read back from disk instead and never held twice in memory.
     """
@@ -112,39 +123,20 @@ class SGMCMCKernel(MCMCKernel):
         checkpoint_every: int = 100,
         keep_draws: bool = True,
     ):
-        if not callable(model):
-            raise TypeError(f"model must be a callable Pyro model, got {type(model).__name__}")
-        self.model = model
-        self.step_size = _check_positive("step_size", step_size)
-        self.temperature = _check_positive("temperature", temperature, allow_zero=True)
-        if num_data is not None and (not isinstance(num_data, int) or num_data < 1):
-            raise ValueError(
-                f"num_data must be a positive int (the data-set size), got {num_data!r}"
-            )
-        self._num_data_arg = num_data
-        if isinstance(thin, bool) or not isinstance(thin, int) or thin < 1:
-            raise ValueError(f"thin must be an int >= 1 (kernel steps per kept draw), got {thin!r}")
-        self.thin = thin
-        if schedule is not None and not callable(schedule):
-            raise TypeError(f"schedule must be a callable t -> multiplier, got {schedule!r}")
+        self.model = function("model", model, "a callable Pyro model")
+        self.step_size = real("step_size", step_size, positive=True)
+        self.temperature = real("temperature", temperature, non_negative=True)
+        self._num_data_arg = None if num_data is None else integer("num_data", num_data, low=1)
+        self.thin = integer("thin", thin, low=1)
+        if schedule is not None:
+            function("schedule", schedule, "a callable t -> step-size multiplier")
         self.schedule = schedule or Constant()
-        if init_params is not None and not (
-            callable(init_params) or isinstance(init_params, Mapping)
-        ):
-            raise TypeError(
-                "init_params must be None, a dict of site values or a Pyro init strategy, "
-                f"got {type(init_params).__name__}"
-            )
-        self.init_params = init_params
+        self.init_params = _checked_init_params(init_params)
+        if checkpoint is not None:
+            instance("checkpoint", checkpoint, (str, Path), "a directory path (str or Path)")
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
-        if (
-            isinstance(checkpoint_every, bool)
-            or not isinstance(checkpoint_every, int)
-            or checkpoint_every < 1
-        ):
-            raise ValueError(f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}")
-        self.checkpoint_every = checkpoint_every
-        self.keep_draws = keep_draws
+        self.checkpoint_every = integer("checkpoint_every", checkpoint_every, low=1)
+        self.keep_draws = instance("keep_draws", keep_draws, bool, "True or False")
         self.transforms = None
         self._initial_params = None
         self._initial_params_given = False
@@ -191,11 +183,14 @@ class SGMCMCKernel(MCMCKernel):
                 raise ValueError(
                     f"site {name!r} is discrete; SGMCMC kernels need continuous latent sites"
                 )
-        self.num_data = self._num_data_arg or observed_num_data(trace)
+        self.num_data = observed_num_data(
+            trace, self._num_data_arg, full_batch=not self._batches.has_loaders
+        )
         if self.num_data is None:
             raise ValueError(
-                "num_data: the model has no bdl.observe site with num_data; pass "
-                "num_data=<size of the training set> to the kernel"
+                "num_data: the model's likelihood declares no data-set size (no "
+                "bdl.observe(..., num_data=N)); pass num_data=<size of the training set> "
+                "to the kernel"
             )
         # Pyro's MCMC stores unconstrained values and applies transforms[name].inv.
         self._bijections = {
@@ -204,11 +199,14 @@ class SGMCMCKernel(MCMCKernel):
             if not _is_real(site["fn"].support)
         }
         self.transforms = {name: b.inv for name, b in self._bijections.items()}
-        if not self._initial_params_given:
-            self._initial_params = {
-                name: self._unconstrain(name, site["value"].detach())
-                for name, site in self._sites.items()
-            }
+        prototype = {
+            name: self._unconstrain(name, site["value"].detach())
+            for name, site in self._sites.items()
+        }
+        if self._initial_params_given:
+            self._initial_params = _placed_like(self._initial_params, prototype, "initial_params")
+        else:
+            self._initial_params = prototype
         self._theta = [
             self._initial_params[name].detach().clone().requires_grad_(True) for name in self._sites
         ]
@@ -218,19 +216,22 @@ class SGMCMCKernel(MCMCKernel):
         self._data_parallel = self._chain_id is None and distributed.is_distributed()
         if self._data_parallel:
             distributed.broadcast_(self._theta)
+        # Detached views of the parameters, made once: the updates are in place, so they
+        # always show the current values, and Pyro gets them without a dict per step.
+        self._current = {name: theta.detach() for name, theta in self._params.items()}
         self._initial_params_given = False
         self._returned = self._initial_params
-        self._noise_buffers = None
+        self._noise = None
         self._init_state(self._theta)
         self._step = 0
         self._iteration = 0
-        self._last = {
-            "potential_energy": math.nan,
-            "grad_norm": math.nan,
-            "step_size": self.step_size,
-        }
+        self._last = {"potential_energy": math.nan, "step_size": self.step_size}
+        self._recorded: dict[str, torch.Tensor] = {}
+        self._watch = _LaggedRead()
+        self._previous_potential = math.nan
         self._stats: dict[str, list[float]] = {key: [] for key in self._stat_names()}
         self._draws: list[dict[str, torch.Tensor]] = []
+        self._chain_checked = False
         chain = chain_number(self._chain_id)
         self._store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
 
@@ -239,6 +240,8 @@ class SGMCMCKernel(MCMCKernel):
             self._returned = self._store.replay(self._iteration)
         else:
             self._adopt(params)
+            if self._iteration == self._warmup_steps:
+                self._end_warmup()
             warmup = self._iteration < self._warmup_steps
             for inner in range(1 if warmup else self.thin):
                 self._step_once(record=not warmup and inner == self.thin - 1)
@@ -246,20 +249,28 @@ class SGMCMCKernel(MCMCKernel):
                 self._keep_draw()
             elif self._store is not None and (self._iteration + 1) % self.checkpoint_every == 0:
                 self._store.save_state(self._iteration + 1)
-            self._returned = {name: theta.detach() for name, theta in self._params.items()}
+            self._returned = self._current
         self._iteration += 1
         return self._returned
 
     def logging(self) -> dict:
+        """The progress bar's figures: the step size and ``lp``, the minibatch log
+        likelihood plus the priors that are not isotropic normals, at the last step read.
+        The isotropic normal priors' value is left out to keep a pass over the weights out
+        of every step; the sample statistic ``potential_energy`` of each kept draw is the
+        whole (negative) minibatch log joint."""
         return {
             "step_size": f"{self._last['step_size']:.2e}",
             "lp": f"{-self._last['potential_energy']:.4g}",
         }
 
     def diagnostics(self) -> dict:
+        # Pyro asks once, when the chain has finished: the time to judge its equilibrium.
+        self._check_chain()
         return {"sample_stats": {key: list(values) for key, values in self._stats.items()}}
 
     def cleanup(self) -> None:
+        self._check_chain()
         # Pyro now holds its own copy of every draw; drop ours unless they are on disk.
         self._draws = []
         if self._store is not None:
@@ -270,6 +281,9 @@ class SGMCMCKernel(MCMCKernel):
     def _init_state(self, theta: list[torch.Tensor]) -> None:
         """Create auxiliary variables (momenta, thermostat) for the parameters."""
 
+    def _end_warmup(self) -> None:
+        """Called once, before the first step after warm-up (auxiliary-variable refresh)."""
+
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         """Update ``theta`` and the auxiliary variables in place, given the gradient."""
         raise NotImplementedError
@@ -278,69 +292,114 @@ class SGMCMCKernel(MCMCKernel):
         """Auxiliary state to checkpoint: name -> tensor, list of tensors or number."""
         return {}
 
-    def _extra_stats(self) -> dict[str, float]:
-        """Method-specific statistics recorded with each kept draw."""
+    def _extra_stats(self) -> dict[str, torch.Tensor | float]:
+        """Method-specific statistics of the current state (device scalars), recorded
+        with each kept draw."""
         return {}
+
+    def _equilibrium_warning(self) -> str | None:
+        """A sentence saying the finished chain is off its stationary law, or None."""
+        return None
 
     # -- the shared step -------------------------------------------------------------
 
     def current_step_size(self) -> float:
         """The step size of the next kernel step, after the schedule."""
-        return self.step_size * self.schedule(self._step)
+        multiplier = self.schedule(self._step)
+        if type(multiplier) is not float or not 0 < multiplier < math.inf:
+            multiplier = self._checked_multiplier(multiplier)
+        return self.step_size * multiplier
+
+    def _checked_multiplier(self, multiplier: object) -> float:
+        try:
+            value = float(multiplier)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"schedule must return a number (a step-size multiplier), returned "
+                f"{type(multiplier).__name__} {multiplier!r} at step {self._step}"
+            ) from None
+        if not 0 < value < math.inf:
+            self._stop(
+                self._step,
+                f"the step-size schedule {self.schedule!r} (a hyperparameter) returned the "
+                f"multiplier {value} at step {self._step}; it must be positive and finite",
+            )
+        return value
 
     def _step_once(self, record: bool) -> None:
-        args, kwargs = self._batches.next()
+        args, kwargs = self._last_batch = self._batches.next()
         step_size = self.current_step_size()
         with torch.enable_grad():
-            log_joint, grads = self._log_joint_and_grad(args, kwargs)
-        potential = -float(log_joint)
-        if not math.isfinite(potential):
-            self._diverged(f"the minibatch potential energy is {potential}")
+            log_joint, grads = self._log_joint_and_grad(
+                self._params, args, kwargs, average=self._data_parallel
+            )
+        potential = -log_joint.autograd_value
+        if torch.is_tensor(potential):
+            potential = potential.detach()
+        ready = self._watch.push(potential, (self._step, args, kwargs))
+        if ready is not None:
+            self._check_potential(*ready)
+        if record:
+            # Device scalars of the state the step started from, read with the draw.
+            self._recorded = {
+                "potential_energy": potential - log_joint.analytic_prior_value(),
+                "grad_norm": _norm(grads),
+            }
         with torch.no_grad():
             self._update(self._theta, grads, step_size)
         self._step += 1
-        self._last.update(potential_energy=potential, step_size=step_size)
-        if record:
-            norms = torch._foreach_norm(grads)
-            self._last["grad_norm"] = float(torch.linalg.vector_norm(torch.stack(norms)))
+        self._last["step_size"] = step_size
 
-    def _log_joint_and_grad(self, args: tuple, kwargs: dict):
-        """The minibatch log joint (detached) and its gradient, one tensor per site."""
-        values = {}
+    def _check_potential(self, value: float, context: tuple) -> None:
+        step, args, kwargs = context
+        if not math.isfinite(value):
+            self._diverged(step, args, kwargs, f"the minibatch potential energy is {value}")
+        self._last["potential_energy"] = value
+        self._previous_potential = value
+
+    def _log_joint_and_grad(
+        self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict, average: bool = False
+    ):
+        """The minibatch log joint at ``params`` (unconstrained leaves) and its gradient;
+        with ``average``, each averaged across the ranks of a data-parallel chain (the
+        global batch's; the analytic priors' value, the same on every rank, is not)."""
+        values = dict(params)
         log_jacobian = 0.0
-        for name, z in self._params.items():
-            bijection = self._bijections.get(name)
-            if bijection is None:
-                values[name] = z
-            else:
-                values[name] = x = bijection(z)
-                log_jacobian = log_jacobian + bijection.log_abs_det_jacobian(z, x).sum()
+        for name, bijection in self._bijections.items():
+            z = params[name]
+            values[name] = x = bijection(z)
+            log_jacobian = log_jacobian + bijection.log_abs_det_jacobian(z, x).sum()
         with LogJoint(values, analytic_priors=True) as log_joint:
             self.model(*args, **kwargs)
-        total = log_joint.value + log_jacobian
+        if self._bijections:
+            log_joint.autograd_value = log_joint.autograd_value + log_jacobian
+        total, leaves = log_joint.autograd_value, list(params.values())
         if torch.is_tensor(total) and total.requires_grad:
-            grads = torch.autograd.grad(total, self._theta, allow_unused=True)
+            grads = torch.autograd.grad(total, leaves, allow_unused=True)
         else:
-            grads = [None] * len(self._theta)
+            grads = [None] * len(leaves)
         grads = {
             name: torch.zeros_like(z) if g is None else g
-            for (name, z), g in zip(self._params.items(), grads)
+            for (name, z), g in zip(params.items(), grads)
         }
         log_joint.add_prior_scores(grads)
-        total, grads = total.detach(), list(grads.values())
-        if self._data_parallel:
-            distributed.all_reduce_([total, *grads], op="mean")  # the global batch's
-        return total, grads
+        grads = list(grads.values())
+        if torch.is_tensor(total):
+            log_joint.autograd_value = total = total.detach()
+            if average:
+                distributed.all_reduce_([total, *grads], op="mean")  # the global batch's
+        return log_joint, grads
 
     def standard_normal(self) -> list[torch.Tensor]:
-        """Fresh N(0, I) noise shaped like the parameters, in reused buffers."""
-        if self._noise_buffers is None:
-            self._noise_buffers = [torch.empty_like(t) for t in self._theta]
-        for buffer in self._noise_buffers:
-            buffer.normal_()
+        """Fresh N(0, I) noise shaped like the parameters: one draw into one flat buffer
+        per dtype and device, viewed per parameter."""
+        if self._noise is None:
+            self._noise = _FlatBuffers(self._theta)
+        for flat in self._noise.flats:
+            flat.normal_()
         if self._data_parallel:
-            distributed.broadcast_(self._noise_buffers)  # one draw, rank 0's, for every rank
-        return self._noise_buffers
+            distributed.broadcast_(self._noise.flats)  # one draw, rank 0's, for every rank
+        return self._noise.views
 
     # -- draws, statistics, divergence -----------------------------------------------
 
@@ -348,30 +407,49 @@ class SGMCMCKernel(MCMCKernel):
         return ["potential_energy", "step_size", "temperature", "grad_norm", *self._extra_stats()]
 
     def _keep_draw(self) -> None:
-        bad = [name for name, t in self._params.items() if not bool(torch.isfinite(t).all())]
-        if bad:
-            self._diverged(f"parameter {bad[0]!r} has non-finite values")
-        stats = {**self._last, "temperature": self.temperature, **self._extra_stats()}
+        names = [*self._recorded, *self._extra_stats()]
+        device_stats = {**self._recorded, **self._extra_stats()}
+        # One read of the device per kept draw: the statistics and the largest |theta|.
+        scalars = [torch.as_tensor(device_stats[key]).reshape(()) for key in names]
+        largest = torch.stack(torch._foreach_norm(self._theta, ord=math.inf)).max()
+        read = torch.stack([s.to(largest) for s in scalars] + [largest]).tolist()
+        stats = dict(zip(names, read))
+        step = self._step - 1
+        if not math.isfinite(read[-1]):
+            bad = [name for name, t in self._params.items() if not bool(torch.isfinite(t).all())]
+            self._diverged(step, *self._last_batch, f"parameter {bad[0]!r} has non-finite values")
+        if not math.isfinite(stats["potential_energy"]):
+            self._diverged(
+                step, *self._last_batch, f"the potential energy is {stats['potential_energy']}"
+            )
+        stats.update(step_size=self._last["step_size"], temperature=self.temperature)
         for key in self._stats:
             self._stats[key].append(float(stats[key]))
-        draw = self.constrained_values()
         if self._store is not None:
+            draw = self.constrained_values(device="cpu")
             self._store.save_draw(self._iteration - self._warmup_steps, draw, self._iteration + 1)
         elif self.keep_draws:
-            self._draws.append(draw)
+            self._draws.append(self.constrained_values(device="cpu"))
 
-    def constrained_values(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the current values of every site, in its support."""
+    def constrained_values(
+        self, device: str | torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
+        """A detached copy of the current values of every site, in its support.
+
+        :param device: where to put the copy (default: where the parameters are); a copy
+            to the CPU is one transfer per dtype, not one per site.
+        """
         with torch.no_grad():
-            return {
-                name: (self._bijections[name](z) if name in self._bijections else z)
-                .detach()
-                .clone()
+            values = {
+                name: (self._bijections[name](z) if name in self._bijections else z).detach()
                 for name, z in self._params.items()
             }
+            if device is None:
+                return {name: value.clone() for name, value in values.items()}
+            return _copied_to(values, torch.device(device))
 
     def get_draws(self) -> dict[str, torch.Tensor]:
-        """The draws kept so far by this kernel: site name -> (num_draws, *shape)."""
+        """The draws kept so far by this kernel: site name -> (num_draws, *shape), on the CPU."""
         if self._store is not None:
             return self._store.draws()
         draws = self._draws
@@ -379,16 +457,30 @@ class SGMCMCKernel(MCMCKernel):
             return {}
         return {name: torch.stack([d[name] for d in draws]) for name in draws[0]}
 
-    def _diverged(self, cause: str) -> None:
-        step = self._step
+    def _diverged(self, step: int, args: tuple, kwargs: dict, symptom: str) -> None:
+        cause = _Diagnosis(self, step, args, kwargs).cause(symptom)
+        self._stop(step, cause)
+
+    def _stop(self, step: int, cause: str) -> None:
+        draws = self.get_draws()
+        kept = len(next(iter(draws.values()))) if draws else 0
         raise DivergenceError(
-            f"{type(self).__name__} diverged at step {step}: {cause}. Try a smaller step_size "
-            f"(now {self.current_step_size():.3g}); the {len(self._stats['step_size'])} draws kept "
+            f"{type(self).__name__} diverged at step {step}: {cause}. The {kept} draws kept "
             "before it are in this error's .draws and in kernel.get_draws()",
             step=step,
-            draws=self.get_draws(),
+            draws=draws,
             sample_stats={key: list(v) for key, v in self._stats.items()},
+            cause=cause,
         )
+
+    def _check_chain(self) -> None:
+        """Warn once per chain if its draws are off the stationary law."""
+        if self._chain_checked or not hasattr(self, "_stats"):
+            return
+        self._chain_checked = True
+        message = self._equilibrium_warning()
+        if message:
+            warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
 
     # -- initial values and bookkeeping ----------------------------------------------
 
@@ -400,10 +492,15 @@ class SGMCMCKernel(MCMCKernel):
             strategy = init
         else:
             strategy = _init_from_dict(init)
+        model = InitMessenger(strategy)(self.model)
         with torch.no_grad(), pyro.poutine.block():
-            return pyro.poutine.trace(InitMessenger(strategy)(self.model)).get_trace(
-                *args, **kwargs
-            )
+            trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+            if invalid_observations(trace):
+                # Inside pyro.infer.MCMC validation is off and observe only marked them;
+                # with it on, observe names them.
+                with pyro.validation_enabled(True):
+                    pyro.poutine.trace(model).get_trace(*args, **kwargs)
+        return trace
 
     def _unconstrain(self, name: str, value: torch.Tensor) -> torch.Tensor:
         bijection = self._bijections.get(name)
@@ -420,16 +517,282 @@ class SGMCMCKernel(MCMCKernel):
                     theta.copy_(value)
 
 
+class _Diagnosis:
+    """What was non-finite at a step that gave a non-finite potential or parameter.
+
+    Run once, when a chain has diverged (it may read the device freely). In order:
+    the data of that step; then the model on that step's batch at the chain's start,
+    where the model was finite, with Pyro's validation on (which names invalid
+    distribution parameters and observations outside the support) and each site's log
+    density (a non-finite prior or likelihood parameter, a hyperparameter of the
+    model); then the gradient there; and only if all of these are finite, the chain
+    itself: its parameters blew up, and the step size is too large.
+    """
+
+    def __init__(self, kernel: SGMCMCKernel, step: int, args: tuple, kwargs: dict):
+        self.kernel, self.step, self.args, self.kwargs = kernel, step, args, kwargs
+
+    def cause(self, symptom: str) -> str:
+        kernel = self.kernel
+        bad_data = _non_finite_inputs(self.args, self.kwargs)
+        if bad_data:
+            return (
+                f"{symptom}; the data of that step is non-finite ({bad_data}): remove or "
+                "impute NaN / inf values in the data set"
+            )
+        start = {
+            name: kernel._bijections[name](z) if name in kernel._bijections else z
+            for name, z in kernel._initial_params.items()
+        }
+        model_cause = self._model_cause(start)
+        if model_cause:
+            return f"{symptom}; {model_cause}"
+        if self._gradient_is_non_finite(start):
+            return (
+                f"{symptom}; the gradient of the log joint on that step's batch is non-finite "
+                "at the chain's start, with finite data and log density (e.g. sqrt or log of "
+                "0 in the model's backward pass)"
+            )
+        bad = [n for n, t in kernel._params.items() if not bool(torch.isfinite(t).all())]
+        largest = max(float(t.detach().abs().max()) for t in kernel._params.values())
+        state = (
+            f"{bad[0]!r} became non-finite"
+            if bad
+            else f"the largest |parameter| is {largest:.3g}, where the model overflows"
+        )
+        return (
+            f"{symptom}; the data, priors, likelihood and gradient are finite at the chain's "
+            f"start on that batch, so the chain itself blew up ({state}; the last finite "
+            f"potential energy was {kernel._previous_potential:.4g}): try a smaller "
+            f"step_size (now {kernel.current_step_size():.3g})"
+        )
+
+    def _model_cause(self, point: dict[str, torch.Tensor]) -> str | None:
+        kernel = self.kernel
+        model = pyro.poutine.condition(kernel.model, data=point)
+        try:
+            with torch.no_grad(), pyro.validation_enabled(True):
+                trace = pyro.poutine.trace(model).get_trace(*self.args, **self.kwargs)
+                trace.compute_log_prob()
+        except ObservationError as error:
+            raise ObservationError(
+                f"{error} (in the batch of step {self.step} of {type(kernel).__name__}; "
+                "the draws kept before it are in kernel.get_draws())"
+            ) from None
+        except ValueError as error:
+            return (
+                "re-running the model on that step's batch with Pyro's validation on says "
+                f"a distribution's parameter is invalid (a prior, a likelihood parameter or "
+                f"a hyperparameter of the model): {error}"
+            )
+        for name, site in trace.nodes.items():
+            if site["type"] != "sample" or site_is_subsample(site):
+                continue
+            log_density = float(site["log_prob_sum"])
+            if math.isfinite(log_density):
+                continue
+            bad = _non_finite_parameters(site["fn"])
+            if name in kernel._sites:
+                what = f"the prior of site {name!r} has log density {log_density}"
+                if bad:
+                    return f"{what}: its parameter {bad} is non-finite"
+                return f"{what} at the chain's start"
+            what = f"the likelihood of the observed site {name!r} has log density {log_density}"
+            if bad:
+                return (
+                    f"{what}: its parameter {bad} is non-finite at the chain's start, with "
+                    "finite data (a hyperparameter of the model, such as a noise scale, is "
+                    "non-finite, or the network overflows)"
+                )
+            return f"{what} at the chain's start, with finite data and parameters"
+        return None
+
+    def _gradient_is_non_finite(self, point: dict[str, torch.Tensor]) -> bool:
+        kernel = self.kernel
+        leaves = {
+            name: kernel._unconstrain(name, value.detach()).clone().requires_grad_(True)
+            for name, value in point.items()
+        }
+        with torch.enable_grad():
+            _, grads = kernel._log_joint_and_grad(leaves, self.args, self.kwargs)
+        return not all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+class _LaggedRead:
+    """Reads a device scalar per step without stalling the device.
+
+    On the CPU a value is read at once. On a GPU, reading a tensor waits for all the
+    work queued before the read; instead each value is copied, right after it is
+    computed, into pinned host memory with an event behind the copy, and read one
+    step later, when the device finished that point long ago (the host has queued a
+    whole forward and backward pass since).
+    """
+
+    def __init__(self):
+        self._pending = None
+        self._host: list[torch.Tensor] = []
+
+    def push(self, value: torch.Tensor | float, context: object) -> tuple[float, object] | None:
+        """Queue ``value``; return ``(value, context)`` of the entry now readable, if any."""
+        if not torch.is_tensor(value) or value.device.type != "cuda":
+            return float(value), context
+        if not self._host or self._host[0].dtype != value.dtype:
+            self._host = [torch.empty((), dtype=value.dtype, pin_memory=True) for _ in range(2)]
+        host = self._host[0]
+        self._host.reverse()  # alternate: the other buffer may still hold the pending read
+        host.copy_(value, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        ready, self._pending = self._pending, (host, event, context)
+        if ready is None:
+            return None
+        ready[1].synchronize()
+        return float(ready[0]), ready[2]
+
+
+class _FlatBuffers:
+    """One flat tensor per (dtype, device) of a list of tensors, and a view per tensor."""
+
+    def __init__(self, like: list[torch.Tensor]):
+        sizes: dict[tuple, int] = {}
+        for t in like:
+            key = (t.dtype, t.device)
+            sizes[key] = sizes.get(key, 0) + t.numel()
+        self.flats = [torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()]
+        flat_of = dict(zip(sizes, self.flats))
+        offsets = dict.fromkeys(sizes, 0)
+        self.views = []
+        for t in like:
+            key = (t.dtype, t.device)
+            start = offsets[key]
+            self.views.append(flat_of[key][start : start + t.numel()].view(t.shape))
+            offsets[key] = start + t.numel()
+
+
+def _copied_to(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copies of ``values`` on ``device``: one flat transfer per dtype (a transfer from a
+    GPU waits for the device, so one per site would wait once per site)."""
+    copies = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, value in values.items():
+        by_dtype.setdefault(value.dtype, []).append(name)
+    for names in by_dtype.values():
+        # torch.cat always copies, even of one tensor already on the device.
+        flat = torch.cat([values[n].reshape(-1) for n in names]).to(device)
+        for name, part in zip(names, flat.split([values[n].numel() for n in names])):
+            copies[name] = part.view(values[name].shape)
+    return {name: copies[name] for name in values}
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The Euclidean norm of a list of tensors as one vector, on the device."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
+
+
+def _non_finite_inputs(args: tuple, kwargs: dict) -> str:
+    """Where the model's arguments hold non-finite floating values, in words ('' if none)."""
+    found = []
+
+    def walk(value, where):
+        if torch.is_tensor(value):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                count = int((~torch.isfinite(value)).sum())
+                found.append(f"{where}: {count} of {value.numel()} values")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, f"{where}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+
+    for i, arg in enumerate(args):
+        walk(arg, f"argument {i}")
+    for key, arg in kwargs.items():
+        walk(arg, f"argument {key!r}")
+    return "; ".join(found)
+
+
+def _non_finite_parameters(fn) -> str:
+    """The non-finite tensor parameters of a distribution, in words ('' if none)."""
+    found = []
+    while fn is not None:
+        for key in getattr(fn, "arg_constraints", {}):
+            value = fn.__dict__.get(key)
+            if torch.is_tensor(value) and not bool(torch.isfinite(value).all()):
+                bad = value[~torch.isfinite(value)].reshape(-1)
+                found.append(
+                    f"{type(fn).__name__}.{key} ({len(bad)} of {value.numel()} entries "
+                    f"non-finite, e.g. {bad[0].item()})"
+                )
+        fn = getattr(fn, "base_dist", None)
+    return ", ".join(found)
+
+
 def _is_real(support: torch.distributions.constraints.Constraint) -> bool:
     while isinstance(support, torch.distributions.constraints.independent):
         support = support.base_constraint
     return support is torch.distributions.constraints.real
 
 
+def _checked_init_params(init_params: object) -> object:
+    if init_params is None or callable(init_params):
+        return init_params
+    if not isinstance(init_params, Mapping):
+        raise TypeError(
+            "init_params must be None, a dict of site values or a Pyro init strategy, "
+            f"got {type(init_params).__name__}"
+        )
+    for name, value in init_params.items():
+        instance("init_params key", name, str, "a site name (str)")
+        try:
+            tensor = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"init_params[{name!r}] must be a tensor (or array) of site values, got "
+                f"{type(value).__name__}"
+            ) from None
+        if not tensor.is_floating_point():
+            raise TypeError(
+                f"init_params[{name!r}] must hold real numbers, got dtype {tensor.dtype}"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"init_params[{name!r}] has non-finite values")
+    return init_params
+
+
+def _placed_like(
+    values: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor], what: str
+) -> dict[str, torch.Tensor]:
+    """``values`` checked against ``like`` (same sites and shapes, finite) and moved to
+    its dtype and device (a CUDA model started from CPU tensors)."""
+    placed = {}
+    for name, reference in like.items():
+        if name not in values:
+            raise ValueError(f"{what}: no value for the site {name!r}; it has {sorted(values)}")
+        value = torch.as_tensor(values[name])
+        if value.shape != reference.shape:
+            raise ValueError(
+                f"{what}[{name!r}] has shape {tuple(value.shape)}, but the site has shape "
+                f"{tuple(reference.shape)}"
+            )
+        value = value.detach().to(dtype=reference.dtype, device=reference.device)
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{what}[{name!r}] has non-finite values")
+        placed[name] = value
+    return placed
+
+
 def _init_from_dict(values: Mapping[str, torch.Tensor]) -> Callable[[dict], torch.Tensor]:
     def init(site: dict) -> torch.Tensor:
-        if site["name"] in values:
-            return torch.as_tensor(values[site["name"]]).detach().clone()
-        return init_to_module(site)
+        reference = init_to_module(site)
+        if site["name"] not in values:
+            return reference
+        value = torch.as_tensor(values[site["name"]])
+        if value.shape != reference.shape:
+            raise ValueError(
+                f"init_params[{site['name']!r}] has shape {tuple(value.shape)}, but the site "
+                f"has shape {tuple(reference.shape)}"
+            )
+        return value.detach().to(dtype=reference.dtype, device=reference.device, copy=True)
 
     return init

@@ -6,13 +6,21 @@ warm-up included) the step size is ``step_size * schedule(t)``.
 
 from __future__ import annotations
 
+from pyro_bdl._checks import integer, real
+
 __all__ = ["Constant", "RobbinsMonro"]
 
 
 class Constant:
-    """The same step size at every step (multiplier 1)."""
+    """The same step size at every step (multiplier 1).
+
+    Example::
+
+        SGLD(model, step_size=1e-3, schedule=Constant())
+    """
 
     def __call__(self, t: int) -> float:
+        _step(t)
         return 1.0
 
     def __repr__(self) -> str:
@@ -33,20 +41,25 @@ class RobbinsMonro:
     [1] M. Welling, Y. W. Teh. Bayesian learning via stochastic gradient Langevin
     dynamics. ICML 2011.
 
+    Example::
+
+        SGLD(model, step_size=1e-2, schedule=RobbinsMonro(b=1000.0, gamma=0.55))
+
     :param float b: offset, positive; larger values decay later.
     :param float gamma: decay exponent, in (0, 1].
     """
 
     def __init__(self, b: float = 1000.0, gamma: float = 0.55):
-        if not b > 0:
-            raise ValueError(f"RobbinsMonro: b must be positive, got {b}")
-        if not 0 < gamma <= 1:
-            raise ValueError(f"RobbinsMonro: gamma must be in (0, 1], got {gamma}")
-        self.b = float(b)
-        self.gamma = float(gamma)
+        self.b = real("b", b, positive=True)
+        self.gamma = real("gamma", gamma, positive=True, high=1.0)
 
     def __call__(self, t: int) -> float:
-        return (self.b / (self.b + t)) ** self.gamma
+        return (self.b / (self.b + _step(t))) ** self.gamma
 
     def __repr__(self) -> str:
         return f"RobbinsMonro(b={self.b}, gamma={self.gamma})"
+
+
+def _step(t: int) -> int:
+    """The kernel step ``t``, checked (a plain int passes without a call)."""
+    return t if type(t) is int and t >= 0 else integer("t", t, low=0)

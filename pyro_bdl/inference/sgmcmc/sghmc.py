@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from pyro_bdl.inference.sgmcmc.base import SGMCMCKernel, _check_positive
+from pyro_bdl._checks import real
+from pyro_bdl.diagnostics import _ess
+from pyro_bdl.inference.sgmcmc.base import SGMCMCKernel
 
 __all__ = ["SGHMC"]
+
+#: Relative distance of the mean kinetic temperature from its target that the
+#: equilibrium check allows beyond its Monte Carlo error: discretisation (of order
+#: ``step_size * curvature``) and minibatch-noise heating smaller than this bias the
+#: position variances by similar, small amounts; beyond it the draws are too wide or
+#: too narrow by as much.
+KINETIC_TOLERANCE = 0.1
+#: Fewest kept draws for the equilibrium check (each half's error estimate needs
+#: an autocorrelation).
+MIN_DRAWS_FOR_CHECK = 40
 
 
 class SGHMC(SGMCMCKernel):
@@ -30,6 +43,22 @@ class SGHMC(SGMCMCKernel):
     momentum=1 - eps * alpha / sigma^2, dampening=1 - eps)`` on the loss
     :math:`-\log\hat p(\theta)/N` (Appendix C, eq. 10), with the momentum buffer
     starting at zero. Momenta start at zero.
+
+    **Kinetic temperature.** In equilibrium the momenta are :math:`\mathcal{N}(0,
+    \sigma^2 T / N)`, so the sample statistic ``kinetic_temperature``,
+    :math:`N m^\top m / (\sigma^2 d)` over the :math:`d` parameters at each kept draw,
+    fluctuates around :math:`T` (in the user's units; :math:`T / (1 - \epsilon\alpha /
+    (2\sigma^2))` for this discretisation of a free particle, within 1 % of the exact
+    stationary value on Gaussian targets at :math:`\epsilon\lambda \le 0.4`) with a
+    relative spread :math:`\sqrt{2/d}` per draw. When a chain ends, the mean over the
+    later and over the earlier half of its kept draws are each compared with that
+    target; a distance beyond :data:`KINETIC_TOLERANCE` plus four standard errors (the
+    draws' spread, at least the chi-square spread :math:`T\sqrt{2/d}`, over the square
+    root of their number of independent values, which the friction bounds) is a
+    warning: a cold chain is still settling from its start or
+    over-damped, a hot one is heated by minibatch gradient noise (lower the step size
+    or raise the friction). No check at :math:`T = 0`, nor with fewer than
+    :data:`MIN_DRAWS_FOR_CHECK` draws.
 
     **References**
 
@@ -63,17 +92,27 @@ class SGHMC(SGMCMCKernel):
         **kwargs,
     ):
         super().__init__(model, step_size, temperature, **kwargs)
-        self.friction = _check_positive("friction", friction, allow_zero=True)
-        self.mass = _check_positive("mass", mass)
+        self.friction = real("friction", friction, non_negative=True)
+        self.mass = real("mass", mass, positive=True)
 
     def hyperparameters(self) -> dict:
         return {**super().hyperparameters(), "friction": self.friction, "mass": self.mass}
 
     def _init_state(self, theta: list[torch.Tensor]) -> None:
         self.momenta = [torch.zeros_like(t) for t in theta]
+        self.dimension = sum(t.numel() for t in theta)
 
     def _state(self) -> dict[str, object]:
         return {"momenta": self.momenta}
+
+    def _extra_stats(self) -> dict[str, torch.Tensor | float]:
+        if not hasattr(self, "momenta"):  # names only, before set-up
+            return {"kinetic_temperature": math.nan}
+        return {"kinetic_temperature": self.kinetic_energy() * (self.num_data / self.dimension)}
+
+    def kinetic_energy(self) -> torch.Tensor:
+        """:math:`m^\\top m / \\sigma^2` on the device (twice the kinetic energy)."""
+        return torch.stack(torch._foreach_norm(self.momenta)).square().sum() / self.mass
 
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         m = self.momenta
@@ -85,3 +124,68 @@ class SGHMC(SGMCMCKernel):
             )
             torch._foreach_add_(m, self.standard_normal(), alpha=noise_scale)
         torch._foreach_add_(theta, m, alpha=step_size / self.mass)
+
+    # -- equilibrium -----------------------------------------------------------------
+
+    def _kinetic_target(self) -> float:
+        """The expected kinetic temperature of this discretisation in equilibrium."""
+        return self.temperature / (1 - self.step_size * self.friction / (2 * self.mass))
+
+    def _equilibrium_warning(self) -> str | None:
+        values = np.asarray(self._stats["kinetic_temperature"], dtype=float)
+        if self.temperature == 0 or len(values) < MIN_DRAWS_FOR_CHECK:
+            return None
+        target = self._kinetic_target()
+        half = len(values) // 2
+        # The later half first: a chain that stays off; then the earlier half: a
+        # transient that warm-up did not cover (its draws are off too).
+        for part, name in ((slice(half, None), "last"), (slice(None, half), "first")):
+            mean = float(values[part].mean())
+            error = self._standard_error(values, part, target)
+            tolerance = KINETIC_TOLERANCE * target + 4 * error
+            if abs(mean - target) > tolerance:
+                return (
+                    f"the kinetic temperature N m^T m / (mass d) averages {mean:.3g} over the "
+                    f"{name} {len(values[part])} of {len(values)} kept draws, but a chain in "
+                    f"equilibrium at temperature {self.temperature:g} has {target:.3g} "
+                    f"(tolerance {tolerance:.2g}; the sample statistic 'kinetic_temperature' "
+                    "has its trace). The chain is not in equilibrium and its draws are likely "
+                    f"too {'narrow' if mean < target else 'wide'}: "
+                    + self._equilibrium_advice(mean < target)
+                )
+        return None
+
+    def _standard_error(self, values: np.ndarray, part: slice, target: float) -> float:
+        """Standard error of the mean kinetic temperature over ``values[part]``.
+
+        The draws are autocorrelated: the kinetic energy forgets its level only through
+        the friction, at rate ``friction / mass`` per unit time, so ``part`` holds at most
+        ``1 + sum(step sizes) * thin * friction / mass`` independent values, fewer if
+        their effective sample size (Geyer's initial monotone sequence, as ArviZ) says so.
+        Each independent value spreads at least as a chi-square in d dimensions does,
+        ``target * sqrt(2 / d)``, however flat the trace (a trace stuck at a low level
+        is flat).
+        """
+        kept = values[part]
+        elapsed = float(np.sum(self._stats["step_size"][part])) * self.thin
+        independent = 1 + elapsed * self._decorrelation_rate(part)
+        ess = float(_ess(kept[np.newaxis, np.newaxis, :])[0])
+        effective = max(min(independent, ess) if math.isfinite(ess) else independent, 1.0)
+        spread = max(float(kept.std(ddof=1)), target * math.sqrt(2 / self.dimension))
+        return spread / math.sqrt(effective)
+
+    def _decorrelation_rate(self, part: slice) -> float:
+        """The rate (per unit time) at which the momenta's energy decorrelates."""
+        return self.friction / self.mass
+
+    def _equilibrium_advice(self, cold: bool) -> str:
+        if cold:
+            return (
+                "it is still settling from its start or over-damped; run more warmup_steps, "
+                "start nearer the posterior (e.g. from a MAP fit) or lower the friction"
+            )
+        return (
+            "it is still releasing the energy of a far start (run more warmup_steps, or "
+            "start nearer the posterior), or minibatch gradient noise heats it (lower the "
+            "step_size, raise the friction or use larger batches)"
+        )

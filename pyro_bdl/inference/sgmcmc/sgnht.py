@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from pyro_bdl import distributed
 from pyro_bdl.inference.sgmcmc.sghmc import SGHMC
 
 __all__ = ["SGNHT"]
@@ -27,12 +29,30 @@ class SGNHT(SGHMC):
         \xi_{k+1} &= \xi_k + \epsilon\left(\frac{m_k^\top m_k}{\sigma^2 d} - \frac{T}{N}\right),
 
     the explicit Euler-Maruyama step of B.3: every variable moves from the current
-    state. :math:`\alpha` sets only the injected noise (:math:`\alpha = 0` is a reasonable
-    choice); :math:`\xi` starts at :math:`\alpha` and momenta at zero. The thermostat
-    equalises the kinetic energy of the discretised momenta, which biases the position
-    variance by :math:`O(\epsilon\alpha/\sigma^2)`; keep that product small. At
-    :math:`T = 0` the thermostat can only grow and the dynamics do not reduce to an
-    optimiser (Appendix C).
+    state. :math:`\alpha` sets the injected noise; the extended target has
+    :math:`m \sim \mathcal{N}(0, \sigma^2 T / N)` and :math:`\xi \sim \mathcal{N}(\alpha,
+    T / (N d))`, independent of :math:`\theta`. The thermostat equalises the kinetic
+    energy of the discretised momenta, which biases the position variance by
+    :math:`O(\epsilon\alpha/\sigma^2)`; keep that product small.
+
+    **Equilibration.** At :math:`T > 0`, :math:`\alpha` must be positive: without
+    injected noise (and with little gradient noise) the dynamics are deterministic
+    Nose-Hoover, which is not ergodic for a Gaussian target, so the draws do not
+    follow the posterior (B.3's remark that :math:`\alpha = 0` is a reasonable choice
+    does not hold). A start far from the posterior heats the thermostat: the
+    potential energy released on the way in raises :math:`\xi` far above
+    :math:`\alpha`, and it cools only by :math:`\epsilon T / N` per step, so the
+    chain stays over-damped, its draws too narrow, for :math:`N / (\epsilon T)` steps
+    per unit of excess. Therefore, at the end of warm-up (before the first kept
+    draw), the momenta and the thermostat are drawn afresh from their stationary law
+    above: a Gibbs step on the auxiliary variables that leaves the target invariant
+    and discards the heat of the transient. A thermostat that is too low heats up
+    quickly (at :math:`\epsilon(m^\top m/(\sigma^2 d) - T/N)` per step) where
+    minibatch noise needs more friction. Give warm-up enough steps to reach the
+    posterior's bulk; the per-draw ``kinetic_temperature`` (see :class:`SGHMC`) is
+    checked against :math:`T` when the chain ends, and ``thermostat`` is recorded
+    with every draw. At :math:`T = 0` the thermostat can only grow and the dynamics
+    do not reduce to an optimiser (Appendix C).
 
     **References**
 
@@ -42,12 +62,13 @@ class SGNHT(SGHMC):
 
     Example::
 
-        mcmc = MCMC(SGNHT(model, step_size=1e-3, friction=0.1), num_samples=50)
+        mcmc = MCMC(SGNHT(model, step_size=1e-3), num_samples=50, warmup_steps=500)
         mcmc.run(train_loader, len(train_set))
 
     :param callable model: a Pyro model.
     :param float step_size: :math:`\epsilon`.
-    :param float friction: :math:`\alpha \ge 0`, the noise level and initial thermostat.
+    :param float friction: :math:`\alpha`, the noise level and the thermostat's
+        stationary mean; positive when ``temperature > 0``.
     :param float mass: :math:`\sigma^2 > 0`.
     :param float temperature: :math:`T \ge 0`.
     :param kwargs: ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint``
@@ -58,37 +79,80 @@ class SGNHT(SGHMC):
         self,
         model,
         step_size: float,
-        friction: float = 0.1,
+        friction: float = 1.0,
         mass: float = 1.0,
         temperature: float = 1.0,
         **kwargs,
     ):
         super().__init__(model, step_size, friction, mass, temperature, **kwargs)
+        if self.temperature > 0 and self.friction == 0:
+            raise ValueError(
+                f"friction must be positive when temperature > 0, got 0 (temperature "
+                f"{self.temperature:g}): without injected noise SGNHT is deterministic "
+                "Nose-Hoover dynamics, which do not sample a Gaussian posterior; use e.g. "
+                "friction=1.0"
+            )
 
     def _init_state(self, theta: list[torch.Tensor]) -> None:
         super()._init_state(theta)
         self.thermostat = torch.tensor(self.friction, dtype=theta[0].dtype, device=theta[0].device)
-        self.dimension = sum(t.numel() for t in theta)
 
     def _state(self) -> dict[str, object]:
         return {**super()._state(), "thermostat": self.thermostat}
 
-    def _extra_stats(self) -> dict[str, float]:
-        return {"thermostat": float(self.thermostat)}
+    def _extra_stats(self) -> dict[str, torch.Tensor | float]:
+        thermostat = getattr(self, "thermostat", math.nan)
+        return {**super()._extra_stats(), "thermostat": thermostat}
+
+    def _end_warmup(self) -> None:
+        # A Gibbs draw of (m, xi) from their stationary law, independent of theta.
+        if self.temperature == 0:
+            return
+        variance = self.temperature / self.num_data
+        with torch.no_grad():
+            torch._foreach_mul_(self.momenta, 0.0)
+            torch._foreach_add_(
+                self.momenta, self.standard_normal(), alpha=math.sqrt(self.mass * variance)
+            )
+            spread = math.sqrt(variance / self.dimension)
+            self.thermostat.normal_(self.friction, spread)
+        if self._data_parallel:
+            distributed.broadcast_([self.thermostat])  # rank 0's draw, as for the noise
 
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         # Explicit Euler as in Appendix B.3: position, momentum and thermostat all move
-        # from the current momentum m_k (the gradient is already at theta_k).
+        # from the current momentum m_k (the gradient is already at theta_k). Everything
+        # stays on the device: no read of the thermostat per step.
         m = self.momenta
-        kinetic = sum(float(torch.dot(x.reshape(-1), x.reshape(-1))) for x in m)
+        kinetic = self.kinetic_energy() / self.dimension
         torch._foreach_add_(theta, m, alpha=step_size / self.mass)
-        torch._foreach_mul_(m, 1 - step_size * float(self.thermostat) / self.mass)
+        torch._foreach_mul_(m, 1 - (step_size / self.mass) * self.thermostat)
         torch._foreach_add_(m, grads, alpha=step_size / self.num_data)
         if self.temperature > 0:
             noise_scale = math.sqrt(
                 2 * step_size * self.temperature * self.friction / self.num_data
             )
             torch._foreach_add_(m, self.standard_normal(), alpha=noise_scale)
-        self.thermostat += step_size * (
-            kinetic / (self.mass * self.dimension) - self.temperature / self.num_data
-        )
+        self.thermostat.add_(step_size * (kinetic - self.temperature / self.num_data))
+
+    def _kinetic_target(self) -> float:
+        # The thermostat holds the mean of m^T m / (sigma^2 d) at T / N exactly.
+        return self.temperature
+
+    def _decorrelation_rate(self, part: slice) -> float:
+        # The thermostat is the friction; the injected noise acts at rate friction too.
+        thermostat = float(np.mean(self._stats["thermostat"][part]))
+        return max(self.friction, thermostat) / self.mass
+
+    def _equilibrium_advice(self, cold: bool) -> str:
+        xi = float(self.thermostat)
+        if cold and xi > self.friction:
+            cooling = self.step_size * self.temperature / self.num_data
+            return (
+                f"the thermostat is at {xi:.3g}, above the friction {self.friction:g} it "
+                "relaxes to, and it cools only by step_size * T / N = "
+                f"{cooling:.2g} per step (about {(xi - self.friction) / cooling:.3g} more "
+                "steps); start nearer the posterior (e.g. from a MAP fit) or give warm-up "
+                "enough steps to reach it, so that the refresh at its end discards the heat"
+            )
+        return super()._equilibrium_advice(cold)

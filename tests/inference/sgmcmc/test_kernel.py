@@ -78,6 +78,8 @@ def test_sample_stats_and_logging(kernel_class):
     mcmc.run(_loader(), NUM_DATA)
     stats = mcmc._diagnostics[0]["sample_stats"]
     expected = {"potential_energy", "step_size", "temperature", "grad_norm"}
+    if kernel_class is not SGLD:
+        expected.add("kinetic_temperature")
     if kernel_class is SGNHT:
         expected.add("thermostat")
     assert set(stats) == expected
@@ -258,10 +260,10 @@ def test_chains_in_one_process_group_draws_by_chain():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"step_size": -0.1}, "step_size must be a positive number, got -0.1"),
+        ({"step_size": -0.1}, "step_size must be a positive finite number, got -0.1"),
         ({"step_size": 0.1, "temperature": -1}, "temperature must be a non-negative"),
         ({"step_size": 0.1, "thin": 0}, "thin must be an int >= 1"),
-        ({"step_size": 0.1, "num_data": 0}, "num_data must be a positive int"),
+        ({"step_size": 0.1, "num_data": 0}, "num_data must be an int >= 1"),
         ({"step_size": 0.1, "friction": -2.0}, "friction must be a non-negative"),
         ({"step_size": 0.1, "mass": 0.0}, "mass must be a positive"),
     ],
@@ -276,8 +278,65 @@ def test_model_without_observe_needs_num_data():
     def model():
         pyro.sample("w", dist.Normal(0.0, 1.0))
 
-    with pytest.raises(ValueError, match="num_data: the model has no bdl.observe"):
+    with pytest.raises(
+        ValueError, match="num_data: the model's likelihood declares no data-set size"
+    ):
         MCMC(SGLD(model, step_size=0.1), num_samples=1, warmup_steps=0).run()
     mcmc = MCMC(SGLD(model, step_size=0.1, num_data=1), num_samples=2, disable_progbar=True)
     mcmc.run()
     assert mcmc.get_samples()["w"].shape == (2,)
+
+
+def test_a_model_that_subsamples_with_its_own_plate_is_refused():
+    # Issue 10, item 11: pyro.plate("data", len(x)) counts the minibatch as all the data.
+    torch.manual_seed(0)
+    net = bdl.lift(torch.nn.Linear(3, 1).double(), bdl.priors.IIDNormal(1.0))
+
+    def model(batch, num_data):
+        x, y = batch
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(net(x).squeeze(-1), 0.5), obs=y)
+
+    kernel = SGLD(model, step_size=1e-3, num_data=NUM_DATA)
+    with pytest.raises(ValueError, match="'y' has a batch of 6 examples and no num_data scale"):
+        MCMC(kernel, num_samples=2, disable_progbar=True).run(_loader(), NUM_DATA)
+    # Full batch, the same model is right, and needs no num_data.
+    mcmc = MCMC(SGLD(model, step_size=1e-3), num_samples=2, disable_progbar=True)
+    mcmc.run(_data(), NUM_DATA)
+    assert mcmc.kernel.num_data == NUM_DATA
+
+
+def test_init_params_and_initial_params_take_the_site_dtype_and_device():
+    # CPU float32 starting values for a float64 model (on a GPU: CPU values, CUDA model).
+    _, model = _regression()
+    start = {"weight": torch.full((1, 3), 2.0), "bias": torch.zeros(1)}
+    kernel = SGLD(model, step_size=1e-9, temperature=0.0, init_params=start)
+    mcmc = MCMC(kernel, num_samples=1, disable_progbar=True)
+    mcmc.run(_loader(), NUM_DATA)
+    assert mcmc.get_samples()["weight"].dtype == torch.float64
+    mcmc = MCMC(
+        SGLD(model, step_size=1e-9, temperature=0.0),
+        num_samples=1,
+        initial_params={"weight": torch.full((1, 3), 2.0), "bias": torch.zeros(1)},
+        disable_progbar=True,
+    )
+    mcmc.run(_loader(), NUM_DATA)
+    assert torch.allclose(mcmc.get_samples()["weight"], torch.full((1, 1, 3), 2.0).double())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kernel_class", KERNELS)
+def test_a_cuda_model_runs_from_cpu_init_params(kernel_class):
+    torch.manual_seed(0)
+    net = bdl.lift(torch.nn.Linear(3, 1).double().cuda(), bdl.priors.IIDNormal(1.0))
+
+    def model(batch, num_data):
+        x, y = (t.cuda() for t in batch)
+        bdl.observe("y", dist.Normal(net(x).squeeze(-1), 0.5), y, num_data)
+
+    start = {"weight": torch.zeros(1, 3), "bias": torch.zeros(1)}
+    kernel = kernel_class(model, step_size=1e-3, init_params=start)
+    mcmc = MCMC(kernel, num_samples=5, warmup_steps=3, disable_progbar=True)
+    mcmc.run(_loader(), NUM_DATA)
+    assert mcmc.get_samples()["weight"].is_cuda
+    assert kernel.get_draws()["weight"].device.type == "cpu"
