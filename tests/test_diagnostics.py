@@ -147,7 +147,7 @@ def test_torch_input_matches_numpy():
 def test_bad_input_is_rejected_with_the_fix():
     with pytest.raises(ValueError, match=r"samples must be shaped \(chain, draw, \*coords\)"):
         diagnostics.rhat(np.zeros(10))
-    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1, got 0"):
         diagnostics.rhat(np.zeros((2, 10)), chunk_size=0)
     with pytest.raises(ValueError, match="prob must be"):
         diagnostics.ess_tail(np.zeros((2, 10)), prob=1.5)

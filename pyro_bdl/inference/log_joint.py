@@ -152,7 +152,7 @@ class LogJoint(Messenger):
 
 
 def observed_num_data(
-    trace: pyro.poutine.Trace, num_data: int | None = None, *, full_batch: bool = False
+    trace: pyro.poutine.Trace, num_data: int | None = None, *, full_batch: bool = True
 ) -> int | None:
     """The data-set size N that the observed sites of a trace are scaled to, checked.
 
@@ -173,9 +173,10 @@ def observed_num_data(
 
     :param trace: a trace of the model on one minibatch.
     :param int num_data: the data-set size the caller was given, if any.
-    :param bool full_batch: whether the traced batch is the whole data set (the
-        model's arguments hold no DataLoader); then, when nothing else tells N, it is
-        the batch size of the unscaled sites.
+    :param bool full_batch: whether the traced batch may be the whole data set: then,
+        when nothing else tells N, it is the batch size of the unscaled sites. Pass False
+        when it is a minibatch (the model's arguments hold a DataLoader), so that an
+        unscaled site is refused even without ``num_data``.
     :return: N (``num_data`` if given), or None if nothing tells it.
     :raises ValueError: if the observed sites are not scaled consistently with N.
     """

@@ -100,8 +100,8 @@ def test_an_observed_site_without_a_num_data_scale_is_refused():
     with pytest.raises(ValueError, match=r"observed site 'y' has a batch of 4 examples and no"):
         observed_num_data(trace, 100)
     assert observed_num_data(trace, 4) == 4  # the batch is the whole data set
-    assert observed_num_data(trace) is None
-    assert observed_num_data(trace, full_batch=True) == 4
+    assert observed_num_data(trace) == 4
+    assert observed_num_data(trace, full_batch=False) is None
 
     def without_num_data(batch):
         bdl.observe("y", dist.Normal(torch.zeros(len(batch)), 1.0), batch)
