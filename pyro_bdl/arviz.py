@@ -95,20 +95,8 @@ def to_arviz(
         (Pyro's ``group_by_chain=True``); never guessed from the shapes.
     :return: an ``xarray.DataTree``.
     """
-    model_kwargs = _check_arguments(
-        num_samples,
-        model,
-        model_args,
-        model_kwargs,
-        log_likelihood,
-        posterior_predictive,
-        var_names,
-        max_coords_per_var,
-        seed,
-        dims,
-        coords,
-        grouped_by_chain,
-    )
+    # Every keyword, checked at the call (locals() holds just the arguments here).
+    model_kwargs = _check_arguments(**{k: v for k, v in locals().items() if k != "source"})
     if isinstance(var_names, str):
         var_names = [var_names]
     if isinstance(source, (str, os.PathLike)):
@@ -277,6 +265,7 @@ def _read_source(source, num_samples, model, model_args, model_kwargs, seed, gro
 
 
 def _check_arguments(
+    *,
     num_samples,
     model,
     model_args,
