@@ -51,6 +51,7 @@ nitpick_ignore_regex = [
               r"optional|iterable|sequence|mapping|function|module|Any|Path|Tensor|"
               r"Iterator|Callable|Mapping|Sequence|NamedTuple|Protocol)"),
     ("py:.*", r".*(\s|\[|\]|,).*"),  # compound types written in words ("list of str")
+    ("py:class", r"PriorPrecision"),  # a type alias of LaplaceGuide's signature
 ]
 
 # Every public name of these modules must be documented on some page of the site.
@@ -90,9 +91,10 @@ def _check_public_names(app, env):
 
 
 def _resolve(path: str):
-    """The object at a dotted path (module attributes included), or None."""
+    """The object at a dotted path, or None; an attribute wins over a submodule of that name
+    (``pyro_bdl.lift`` is the function, not the module ``pyro_bdl/lift.py``)."""
     parts = path.split(".")
-    for split in range(len(parts), 0, -1):
+    for split in range(len(parts) - 1, 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:split]))
         except ImportError:
@@ -101,9 +103,12 @@ def _resolve(path: str):
             for attribute in parts[split:]:
                 obj = getattr(obj, attribute)
         except AttributeError:
-            return None
+            break
         return obj
-    return None
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        return None
 
 
 def _resolve_alias(app, env, node, contnode):
@@ -118,6 +123,14 @@ def _resolve_alias(app, env, node, contnode):
     if target.startswith("."):
         module = node.get("py:module") or ""
         target = module + target if target.count(".") == 1 else target.lstrip(".")
+    domain = env.get_domain("py")
+    if node["reftype"] == "mod":
+        # An undocumented submodule: link to the closest documented package above it.
+        while "." in target and _objects(env).get(target) is None:
+            target = target.rpartition(".")[0]
+        if target not in _objects(env) or _resolve(target) is None:
+            return None
+        return domain.resolve_xref(env, node["refdoc"], app.builder, "mod", target, node, contnode)
     obj = _resolve(target)
     if obj is None:
         return None
@@ -127,9 +140,7 @@ def _resolve_alias(app, env, node, contnode):
     name = names.get(id(obj))
     if name is None:
         return None
-    return env.get_domain("py").resolve_xref(
-        env, node.get("refdoc"), app.builder, "obj", name, node, contnode
-    )
+    return domain.resolve_xref(env, node["refdoc"], app.builder, "obj", name, node, contnode)
 
 
 def setup(app):

@@ -101,12 +101,12 @@ print("| method | accuracy | NLL | ECE |\n|---|---|---|---|")
 for name, m in results.items():
     print(f"| {name} | {m['accuracy']:.3f} | {m['nll']:.3f} | {m['ece']:.3f} |")
 fig = Figure(figsize=(9, 3.6), layout="constrained")
-for ax, metric in zip(fig.subplots(1, 2), ["nll", "accuracy"]):
+for ax, (metric, label) in zip(fig.subplots(1, 2), {"nll": "NLL", "accuracy": "accuracy"}.items()):
     ax.axhline(results["MAP"][metric], color="grey", linestyle="--", label="MAP")
     for method in ["Laplace", "SGHMC"]:
         values = [results[f"{method} T={t}"][metric] for t in temperatures]
         ax.plot(temperatures, values, marker="o", label=method)
-    ax.set(xscale="log", xlabel="temperature T", ylabel=f"test {metric}")
+    ax.set(xscale="log", xlabel="temperature T", ylabel=f"test {label}")
     ax.legend(fontsize="small")
 fig.suptitle("CNN-LSTM on IMDB: tempered posteriors")
 fig.savefig(out / "cold_posterior.png", dpi=120)
