@@ -32,7 +32,7 @@ bench: $(STAMP)
 # The documentation site; warnings are errors (every public name documented, every
 # cross-reference resolved). Offline: no intersphinx inventories are fetched.
 docs: $(STAMP)
-	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
+	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pyro_bdl tests benchmarks examples

@@ -40,18 +40,42 @@ autoclass_content = "class"
 # type hints and docstrings) render as plain code instead of links.
 nitpicky = True
 _EXTERNAL = (
-    "torch", "pyro", "numpy", "np", "xarray", "xr", "matplotlib", "transformers", "peft",
-    "scipy", "pandas", "pd", "arviz_base", "arviz_stats", "arviz_plots", "collections",
-    "typing", "os", "pathlib", "tqdm", "dataclasses", "contextlib", "sklearn", "accelerate",
+    "torch",
+    "pyro",
+    "numpy",
+    "np",
+    "xarray",
+    "xr",
+    "matplotlib",
+    "transformers",
+    "peft",
+    "scipy",
+    "pandas",
+    "pd",
+    "arviz_base",
+    "arviz_stats",
+    "arviz_plots",
+    "collections",
+    "typing",
+    "os",
+    "pathlib",
+    "tqdm",
+    "dataclasses",
+    "contextlib",
+    "sklearn",
+    "accelerate",
 )
 nitpick_ignore_regex = [
     ("py:.*", rf"({'|'.join(_EXTERNAL)})(\..*)?"),
     # builtins and the plain-English types of ``:param type name:`` fields
-    ("py:.*", r"(int|float|str|bool|bytes|dict|list|tuple|set|callable|None|object|type|"
-              r"optional|iterable|sequence|mapping|function|module|Any|Path|Tensor|"
-              r"Iterator|Callable|Mapping|Sequence|NamedTuple|Protocol)"),
+    (
+        "py:.*",
+        r"(int|float|str|bool|bytes|dict|list|tuple|set|callable|None|object|type|"
+        r"optional|iterable|sequence|mapping|function|module|Any|Path|Tensor|"
+        r"Iterator|Callable|Mapping|Sequence|NamedTuple|Protocol)",
+    ),
     ("py:.*", r".*(\s|\[|\]|,).*"),  # compound types written in words ("list of str")
-    ("py:class", r"PriorPrecision"),  # a type alias of LaplaceGuide's signature
+    ("py:class", r"PriorPrecision|Record"),  # type aliases in signatures
 ]
 
 # Every public name of these modules must be documented on some page of the site.
@@ -76,7 +100,7 @@ def _objects(env):
 
 
 def _check_public_names(app, env):
-    """Warn (an error under -W) for a public name that no page documents, or that has no docstring."""
+    """Warn (an error under -W) for a public name no page documents, or without a docstring."""
     documented = {id(_resolve(name)) for name in _objects(env)} - {id(None)}
     for module_name in PUBLIC_MODULES:
         module = importlib.import_module(module_name)
@@ -135,7 +159,9 @@ def _resolve_alias(app, env, node, contnode):
     if obj is None:
         return None
     names = {
-        id(_resolve(name)): name for name, entry in _objects(env).items() if entry.objtype != "module"
+        id(_resolve(name)): name
+        for name, entry in _objects(env).items()
+        if entry.objtype != "module"
     }
     name = names.get(id(obj))
     if name is None:

@@ -72,7 +72,9 @@ for name, kernel in {
 # -- ArviZ: summary (R-hat, ESS) and trace plot ------------------------------------------
 idata = bdl.to_arviz(runs["SGHMC"])
 print(arviz_stats.summary(idata, var_names=["b", "w"]).to_string())
-print("exact posterior mean", mean.numpy().round(3), "sd", covariance.diag().sqrt().numpy().round(3))
+print(
+    "exact posterior mean", mean.numpy().round(3), "sd", covariance.diag().sqrt().numpy().round(3)
+)
 idata.to_netcdf(out / "posterior.nc", engine="h5netcdf")
 arviz_plots.plot_trace_dist(idata, var_names=["b", "w"], backend="matplotlib").savefig(
     out / "trace.png"
@@ -85,7 +87,7 @@ grid = torch.linspace(-4, 4, 200, dtype=torch.float64)
 for i, (ax, label) in enumerate(zip(axes[:2], ["w[0]", "w[1]"])):
     sd = covariance[i + 1, i + 1].sqrt()
     ax.plot(mean[i + 1] + sd * grid, dist.Normal(0.0, 1.0).log_prob(grid).exp() / sd, "k-")
-    for name, mcmc in runs.items():
+    for mcmc in runs.values():
         ax.hist(mcmc.get_samples()["w"][:, i].numpy(), bins=40, density=True, histtype="step")
     ax.set(title=f"marginal of {label}", xlabel=label)
 axes[0].legend(["exact", *runs], fontsize="small")

@@ -22,7 +22,6 @@ import json
 from pathlib import Path
 
 import pyro
-import torch
 from matplotlib.figure import Figure
 from pyro.infer import MCMC
 

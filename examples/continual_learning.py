@@ -42,7 +42,9 @@ parser.add_argument("--quick", action="store_true", help="seconds, for CI")
 args = parser.parse_args()
 out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
-num_books, train_chars, test_chars, epochs = (2, 2048, 1024, 1) if args.quick else (3, 20_000, 8192, 12)
+num_books, train_chars, test_chars, epochs = (
+    (2, 2048, 1024, 1) if args.quick else (3, 20_000, 8192, 12)
+)
 WINDOW = 64
 
 
@@ -89,7 +91,9 @@ def test_losses(model: BayesianNet, values: dict) -> dict[str, float]:
         for name, batch in zip(names, test):
             logits = model.net.module(input_ids=batch["input_ids"]).logits
             targets = batch["input_ids"][:, 1:]
-            losses[name] = float(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets))
+            losses[name] = float(
+                torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), targets)
+            )
     return losses
 
 
@@ -127,7 +131,9 @@ for method, episodes in results.items():
 fig = Figure(figsize=(3.2 * num_books, 3.2), layout="constrained")
 for ax, name in zip(fig.subplots(1, num_books, sharey=True), names):
     for method, episodes in results.items():
-        ax.plot(range(1, num_books + 1), [losses[name] for losses in episodes], marker="o", label=method)
+        ax.plot(
+            range(1, num_books + 1), [losses[name] for losses in episodes], marker="o", label=method
+        )
     ax.set(title=f"book {name}", xlabel="after episode", xticks=range(1, num_books + 1))
 fig.axes[0].set_ylabel("held-out nats per character")
 fig.axes[0].legend(fontsize="small")

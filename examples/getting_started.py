@@ -52,7 +52,11 @@ def model(batch, num_data):
     return logits
 
 
-mcmc = MCMC(SGHMC(model, step_size=1e-3, temperature=1.0), num_samples=num_samples, warmup_steps=warmup_steps)
+mcmc = MCMC(
+    SGHMC(model, step_size=1e-3, temperature=1.0),
+    num_samples=num_samples,
+    warmup_steps=warmup_steps,
+)
 mcmc.run(train_loader, len(train_set))  # a fresh minibatch every step
 idata = bdl.to_arviz(mcmc)  # ArviZ object with chain/draw dims
 # ------------------------------------------------------------------------------------------

@@ -68,7 +68,9 @@ phases = {}
 
 def measured(name: str, start: float) -> None:
     phases[name] = {"seconds": time.perf_counter() - start, "peak_gib": peak_memory_gib()}
-    print(f"{name}: {phases[name]['seconds']:.1f} s, peak memory {phases[name]['peak_gib']:.2f} GiB")
+    print(
+        f"{name}: {phases[name]['seconds']:.1f} s, peak memory {phases[name]['peak_gib']:.2f} GiB"
+    )
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
@@ -123,7 +125,9 @@ def load(**options):
 
 start = time.perf_counter()
 lora = load()
-base = sum(p.numel() * p.element_size() for n, p in lora.peft_model.named_parameters() if "lora_" not in n)
+base = sum(
+    p.numel() * p.element_size() for n, p in lora.peft_model.named_parameters() if "lora_" not in n
+)
 adapters = sum(p.numel() for n, p in lora.peft_model.named_parameters() if "lora_" in n)
 print(f"{path.name}: base {base / 2**30:.2f} GiB in bf16, {adapters:,} LoRA weights (float32)")
 measured("load", start)

@@ -89,7 +89,9 @@ kernel = SGHMC(lora.model, step_size=0.03, friction=1.0, init_params=theta_map)
 chains = Chains(kernel, num_samples=1, warmup_steps=max(1, num_steps // 4), num_chains=4, seed=0)
 chains.run(train_loader, num_data)
 samples = chains.get_samples()
-probs["SGHMC (parallel)"] = test_probs(lambda batch: predict_proba(lora.model, batch, None, samples=samples))
+probs["SGHMC (parallel)"] = test_probs(
+    lambda batch: predict_proba(lora.model, batch, None, samples=samples)
+)
 
 # -- calibration table and reliability diagram of the model averages -----------------------
 results = {name: metrics.summarize(p.mean(0), labels) for name, p in probs.items()}
