@@ -50,7 +50,7 @@ class DivergenceError(RuntimeError):
     """A chain produced a non-finite potential or parameter and was stopped.
 
     :ivar int step: the kernel step (from 0, warm-up included) that diverged.
-    :ivar dict draws: the draws kept before it, site name -> (num_draws, *shape).
+    :ivar dict draws: the draws kept before it, site name -> ``(num_draws, *shape)``.
     :ivar dict sample_stats: the statistics of those draws.
     """
 
@@ -72,9 +72,9 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
 class SGMCMCKernel(MCMCKernel):
     """Base class of the tempered SGMCMC kernels; subclasses define one update.
 
-    A subclass implements :meth:`_init_state` (auxiliary variables such as momenta)
-    and :meth:`_update` (the in-place step given the gradient), and lists its
-    auxiliary tensors in :meth:`_state` for checkpoints.
+    A subclass implements ``_init_state`` (auxiliary variables such as momenta)
+    and ``_update`` (the in-place step given the gradient), and lists its
+    auxiliary tensors in ``_state`` for checkpoints.
 
     :param callable model: a Pyro model; DataLoader arguments of ``MCMC.run`` are
         replaced by a fresh minibatch at every step.
@@ -371,7 +371,7 @@ class SGMCMCKernel(MCMCKernel):
             }
 
     def get_draws(self) -> dict[str, torch.Tensor]:
-        """The draws kept so far by this kernel: site name -> (num_draws, *shape)."""
+        """The draws kept so far by this kernel: site name -> ``(num_draws, *shape)``."""
         if self._store is not None:
             return self._store.draws()
         draws = self._draws
