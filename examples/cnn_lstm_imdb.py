@@ -14,7 +14,7 @@ The script prints test accuracy and NLL per method and temperature and writes
 
     python examples/cnn_lstm_imdb.py --data-dir ../shared/data --out results/cnn_lstm
 
-About five minutes on a laptop CPU (4,000 training reviews); ``--quick`` runs in seconds.
+About five minutes of one CPU core (4,000 training reviews); ``--quick`` runs in seconds.
 """
 
 import argparse

@@ -16,7 +16,7 @@ script prints the table and writes ``continual.png`` and ``results.json``.
 
     python examples/continual_learning.py --data-dir ../shared/data --out results/continual
 
-A few minutes on a laptop CPU (three books); ``--quick`` runs in seconds.
+About two minutes of one CPU core (three books); ``--quick`` runs in seconds.
 """
 
 import argparse

@@ -17,8 +17,8 @@ on the SST-2 dev set) and writes ``reliability.png`` and ``results.json``.
 
     python examples/lora_classification.py --data-dir ../shared/data --out results/lora
 
-A few minutes on a laptop CPU (1,024 training sentences, two epochs per fit);
-``--quick`` runs in seconds on 32 sentences.
+About 15 minutes of one CPU core (1,024 training sentences, two epochs per fit; a
+laptop's cores share it); ``--quick`` runs in seconds on 32 sentences.
 """
 
 import argparse
