@@ -114,9 +114,10 @@ for method in ["online", "Laplace"]:
         if method == "online":
             values = fit_map(model, loader, len(book), mle=True, **fit)
         else:
-            # MAP under the current prior, then the curvature: the posterior after this book
+            # The same AdamW steps under the current prior (mode_tolerance=None: no L-BFGS
+            # to the exact mode, which overfits a small book), then the curvature there.
             guide = LaplaceGuide(model, curvature="diag_ef", init_loc_fn=fit.pop("init_loc_fn"))
-            guide.fit(loader, len(book), **fit)
+            guide.fit(loader, len(book), mode_tolerance=None, **fit)
             values = guide.median()
             model.net.prior = guide.as_prior()  # the prior of the next book
         results[method].append(test_losses(model, values))
