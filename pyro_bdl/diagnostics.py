@@ -17,8 +17,8 @@ coordinates in under half a minute on two cores (``benchmarks/diagnostics.py``).
 **References**
 
 [1] Vehtari, A., Gelman, A., Simpson, D., Carpenter, B. and Buerkner, P.-C. (2021).
-    Rank-normalization, folding, and localization: an improved R-hat for assessing
-    convergence of MCMC. *Bayesian Analysis* 16(2), 667-718.
+Rank-normalization, folding, and localization: an improved R-hat for assessing
+convergence of MCMC. *Bayesian Analysis* 16(2), 667-718.
 [2] Geyer, C. J. (1992). Practical Markov chain Monte Carlo. *Statistical Science* 7(4).
 """
 

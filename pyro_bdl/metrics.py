@@ -147,7 +147,7 @@ def reliability_curve(
     **References**
 
     [1] Guo, C., Pleiss, G., Sun, Y. and Weinberger, K. Q. (2017). On calibration of modern
-        neural networks. *ICML*.
+    neural networks. *ICML*.
 
     Example::
 

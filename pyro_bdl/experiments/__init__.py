@@ -12,7 +12,7 @@ from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
 
 __all__ = ["EXPERIMENTS", "Experiment", "run_experiment", "markdown_table", "mean_sd"]
 
-# name -> module; imported on use, since each pulls in models and data.
+#: Experiment name -> module; modules are imported on use, since each pulls in models and data.
 EXPERIMENTS = {
     "calibration": "pyro_bdl.experiments.calibration",
     "cold-posterior": "pyro_bdl.experiments.cold_posterior",

@@ -167,7 +167,7 @@ class NextToken:
     Hugging Face's causal-LM loss does it), so a window of ``L`` tokens has ``L - 1``
     observed tokens; a window is one example of the ``num_data`` in the training set
     and its log likelihood is the sum over its tokens. Labels equal to
-    :data:`IGNORE_INDEX` (padding, from :class:`pyro_bdl.data.tokenize.CausalLMCollator`)
+    ``IGNORE_INDEX`` (-100: padding, from :class:`pyro_bdl.data.tokenize.CausalLMCollator`)
     are masked out; without labels, padding is read from ``attention_mask``.
 
     .. math:: \log p(x_{1:L} \mid \theta) = \sum_{t=1}^{L-1} \log

@@ -677,7 +677,7 @@ class LaplaceGuide(AutoGuide):
             ``"bridge"``.
         :param int num_samples: logit draws for ``"mc"``.
         :param bool return_samples: return the per-draw class probabilities
-            ``(S, B, C)`` (``"mc"`` only), as :func:`pyro_bdl.predict_proba` does, for the
+            ``(S, B, C)`` (``"mc"`` only), as :func:`pyro_bdl.predict.predict_proba` does, for the
             aleatoric/epistemic split; otherwise their mean ``(B, C)``.
         :param generator: random generator for ``"mc"``.
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.

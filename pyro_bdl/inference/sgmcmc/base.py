@@ -68,7 +68,7 @@ class DivergenceError(RuntimeError):
 
     :ivar int step: the kernel step (from 0, warm-up included) that diverged.
     :ivar str cause: what was non-finite, in words.
-    :ivar dict draws: the draws kept before it, site name -> (num_draws, *shape).
+    :ivar dict draws: the draws kept before it, site name -> ``(num_draws, *shape)``.
     :ivar dict sample_stats: the statistics of those draws.
     """
 
@@ -83,9 +83,9 @@ class DivergenceError(RuntimeError):
 class SGMCMCKernel(MCMCKernel):
     """Base class of the tempered SGMCMC kernels; subclasses define one update.
 
-    A subclass implements :meth:`_init_state` (auxiliary variables such as momenta)
-    and :meth:`_update` (the in-place step given the gradient), and lists its
-    auxiliary tensors in :meth:`_state` for checkpoints.
+    A subclass implements ``_init_state`` (auxiliary variables such as momenta)
+    and ``_update`` (the in-place step given the gradient), and lists its
+    auxiliary tensors in ``_state`` for checkpoints.
 
     :param callable model: a Pyro model; DataLoader arguments of ``MCMC.run`` are
         replaced by a fresh minibatch at every step.
@@ -449,7 +449,11 @@ class SGMCMCKernel(MCMCKernel):
             return _copied_to(values, torch.device(device))
 
     def get_draws(self) -> dict[str, torch.Tensor]:
+<<<<<<< HEAD
         """The draws kept so far by this kernel: site name -> (num_draws, *shape), on the CPU."""
+=======
+        """The draws kept so far by this kernel: site name -> ``(num_draws, *shape)``."""
+>>>>>>> i14-docs
         if self._store is not None:
             return self._store.draws()
         draws = self._draws

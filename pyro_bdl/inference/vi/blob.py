@@ -63,9 +63,9 @@ class BLoBGuide(MeanFieldGuide):
     **References**
 
     [1] Y. Wang, H. Shi, L. Han, D. Metaxas, H. Wang, "BLoB: Bayesian Low-Rank Adaptation by
-        Backpropagation for Large Language Models", NeurIPS 2024.
+    Backpropagation for Large Language Models", NeurIPS 2024.
     [2] Y. Wen et al., "Flipout: efficient pseudo-independent weight perturbations on
-        mini-batches", ICLR 2018.
+    mini-batches", ICLR 2018.
 
     Example::
 

@@ -71,8 +71,8 @@ class IVONGuide(MeanFieldGuide):
     **References**
 
     [1] Y. Shen, N. Daheim, B. Cong, P. Nickl, G. M. Marconi, C. Bazan, R. Yokota,
-        I. Gurevych, D. Cremers, M. E. Khan, T. Möllenhoff, "Variational Learning is
-        Effective for Large Deep Networks", ICML 2024, section 2 and Algorithm 1.
+    I. Gurevych, D. Cremers, M. E. Khan, T. Möllenhoff, "Variational Learning is
+    Effective for Large Deep Networks", ICML 2024, section 2 and Algorithm 1.
     [2] B. Cong et al., "Variational Low-Rank Adaptation Using IVON", 2024.
 
     Example::

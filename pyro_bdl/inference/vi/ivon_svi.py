@@ -57,7 +57,7 @@ class IVONSVI:
     **References**
 
     [1] Y. Shen et al., "Variational Learning is Effective for Large Deep Networks",
-        ICML 2024, Algorithm 1; and the authors' ``ivon-opt`` (``ivon/_ivon.py``).
+    ICML 2024, Algorithm 1; and the authors' ``ivon-opt`` (``ivon/_ivon.py``).
 
     Example::
 

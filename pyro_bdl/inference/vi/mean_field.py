@@ -109,7 +109,7 @@ class MeanFieldGuide(AutoGuide):
     **References**
 
     [1] S. Duffield et al., "Scalable Bayesian learning with posteriors", 2024, section 4
-        and Appendix D.
+    and Appendix D.
     [2] C. Blundell et al., "Weight uncertainty in neural networks", ICML 2015.
     [3] G. Roeder et al., "Sticking the landing", NeurIPS 2017.
 

