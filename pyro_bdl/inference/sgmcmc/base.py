@@ -449,7 +449,7 @@ class SGMCMCKernel(MCMCKernel):
             return _copied_to(values, torch.device(device))
 
     def get_draws(self) -> dict[str, torch.Tensor]:
-        """The draws kept so far by this kernel: site name -> ``(num_draws, *shape)``, on the CPU."""
+        """The draws kept so far by this kernel: name -> ``(num_draws, *shape)``, on the CPU."""
         if self._store is not None:
             return self._store.draws()
         draws = self._draws
