@@ -52,13 +52,13 @@ class SGHMC(SGMCMCKernel):
     stationary value on Gaussian targets at :math:`\epsilon\lambda \le 0.4`) with a
     relative spread :math:`\sqrt{2/d}` per draw. When a chain ends, the mean over the
     later and over the earlier half of its kept draws are each compared with that
-    target; a distance beyond :data:`KINETIC_TOLERANCE` plus four standard errors (the
+    target; a distance beyond ``KINETIC_TOLERANCE`` (0.1) plus four standard errors (the
     draws' spread, at least the chi-square spread :math:`T\sqrt{2/d}`, over the square
     root of their number of independent values, which the friction bounds) is a
     warning: a cold chain is still settling from its start or
     over-damped, a hot one is heated by minibatch gradient noise (lower the step size
     or raise the friction). No check at :math:`T = 0`, nor with fewer than
-    :data:`MIN_DRAWS_FOR_CHECK` draws.
+    ``MIN_DRAWS_FOR_CHECK`` (40) draws.
 
     **References**
 
