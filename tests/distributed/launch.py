@@ -4,32 +4,45 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pyro_bdl import distributed
 
 
-def run_ranks(fn: Callable, *args, world_size: int = 2) -> None:
+def run_ranks(fn: Callable, *args, world_size: int = 2, timeout_s: float = 300.0) -> None:
     """Call ``fn(rank, *args)`` in ``world_size`` forked processes with torchrun's variables.
 
     Forked, not spawned: the children need not import torch and pyro again (seconds each).
     Raises ``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``
-    if a rank fails; the others are then terminated.
+    if a rank fails (the others are then terminated), and ``TimeoutError`` if the ranks
+    are not done within ``timeout_s`` seconds, so that a hang fails its test.
     """
     port = _free_port()
-    mp.start_processes(
+    context = mp.start_processes(
         _entry,
         args=(fn, world_size, port, args),
         nprocs=world_size,
-        join=True,
+        join=False,
         start_method="fork",
     )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"the {world_size} ranks did not finish in {timeout_s:g} s")
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    # The parent's OpenMP thread pool does not survive fork: the child's first parallel
+    # region waits forever at libgomp's team barrier. One thread per rank never enters one
+    # (and two ranks share the two cores anyway).
+    torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
