@@ -76,7 +76,7 @@ def test_bayesian_net():
     with pytest.raises(TypeError, match="dict batch"):
         BayesianNet(net)(torch.zeros(2, 20, dtype=torch.long), 10)
     batch = {"input_ids": torch.zeros(2, 20, dtype=torch.long), "labels": torch.zeros(2)}
-    with pytest.raises(ValueError, match="num_data must be an int at least"):
+    with pytest.raises(ValueError, match="num_data must be the size of the whole training set"):
         BayesianNet(net)(batch, 1)
 
 
