@@ -111,7 +111,12 @@ def _fit_cases(problem):
             ValueError,
             "DataLoader passed as argument 0 yields no batches",
         ),
-        ((loader, 10), {"map": good}, ValueError, "num_data must be the size of the whole training set"),
+        (
+            (loader, 10),
+            {"map": good},
+            ValueError,
+            "num_data must be the size of the whole training set",
+        ),
         ((loader, 40.0), {"map": good}, TypeError, "num_data must be an int"),
     ]
 
