@@ -19,6 +19,12 @@ the same way. The methods (BLoB, section 4.1 and Table 3):
 - :func:`ivon`: IVON (Shen et al., 2024; on LoRA, Cong et al., 2024) on the random LoRA
   weights (:class:`~pyro_bdl.inference.IVONGuide`, :func:`fit_ivon`), ``S = num_samples``.
 
+Every method trains with the same recipe, BLoB's Table 3: AdamW with a linear warm-up over
+``warmup_ratio`` (0.06) of the ``num_steps`` steps, then a linear decay to zero
+(``schedule="linear"``; ``"constant"`` keeps the rate after the warm-up), on the
+minibatches the DataLoader arguments give. Give each method of a table the same
+``num_steps``, ``lr``, schedule and batch size, as the paper does.
+
 The paper's BBB "only Bayesianizes the A matrix, similar to BLoB": lift with
 ``random="lora_A", point="lora_B"`` for it; lifting every LoRA weight random gives BBB on
 A and B. Each fit starts the network's point weights (B) afresh from the module, sets the prior
@@ -44,6 +50,7 @@ from pyro_bdl import _checks, distributed
 from pyro_bdl.inference.map import fit_map
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.vi import BLoBGuide, IVONGuide, MeanFieldGuide, fit_blob, fit_ivon
+from pyro_bdl.inference.vi.blob_svi import warmup_schedule
 from pyro_bdl.lift import LiftedModule
 from pyro_bdl.predict import predict_proba
 from pyro_bdl.priors import IIDNormal
@@ -57,6 +64,7 @@ __all__ = [
     "bbb",
     "blob",
     "ivon",
+    "adamw",
 ]
 
 # AdamW's epsilon of the reference implementation of the BLoB baselines.
@@ -138,6 +146,8 @@ def mle(
     num_steps: int,
     net: LiftedModule | None = None,
     lr: float = 5e-4,
+    schedule: str = "linear",
+    warmup_ratio: float = 0.06,
     progress: bool = True,
     **kwargs,
 ) -> Predictor:
@@ -152,11 +162,14 @@ def mle(
     :param args: the model's arguments (DataLoaders stand for minibatches).
     :param int num_steps: optimisation steps.
     :param LiftedModule net: the lifted peft model (default ``model.net``).
-    :param float lr: AdamW's learning rate (Table 3: 5e-4 RoBERTa, 1e-4 Llama2).
+    :param float lr: AdamW's peak learning rate (Table 3: 5e-4 RoBERTa, 1e-4 Llama2).
+    :param str schedule: ``"linear"`` decay after the warm-up (Table 3) or ``"constant"``.
+    :param float warmup_ratio: fraction of the steps of linear warm-up (Table 3: 0.06).
     :param bool progress: show a progress bar.
     """
     net = _lifted(model, net)
-    member = _fit_point(model, net, args, kwargs, num_steps, lr, 0.0, progress)
+    optimizer = adamw(lr, num_steps=num_steps, schedule=schedule, warmup_ratio=warmup_ratio)
+    member = _fit_point(model, net, args, kwargs, num_steps, optimizer, progress)
     return Predictor(model, [member], dropout=_lora_dropout(net))
 
 
@@ -167,6 +180,8 @@ def map_estimate(
     net: LiftedModule | None = None,
     lr: float = 5e-4,
     weight_decay: float = 1e-5,
+    schedule: str = "linear",
+    warmup_ratio: float = 0.06,
     progress: bool = True,
     **kwargs,
 ) -> Predictor:
@@ -180,7 +195,10 @@ def map_estimate(
     The other parameters are :func:`mle`'s.
     """
     net = _lifted(model, net)
-    member = _fit_point(model, net, args, kwargs, num_steps, lr, weight_decay, progress)
+    optimizer = adamw(
+        lr, weight_decay, num_steps=num_steps, schedule=schedule, warmup_ratio=warmup_ratio
+    )
+    member = _fit_point(model, net, args, kwargs, num_steps, optimizer, progress)
     return Predictor(model, [member], dropout=_lora_dropout(net))
 
 
@@ -191,6 +209,8 @@ def mc_dropout(
     net: LiftedModule | None = None,
     lr: float = 5e-4,
     num_samples: int = 10,
+    schedule: str = "linear",
+    warmup_ratio: float = 0.06,
     progress: bool = True,
     **kwargs,
 ) -> Predictor:
@@ -210,8 +230,9 @@ def mc_dropout(
             "mc_dropout: the peft model has no LoRA dropout; build it with "
             "LoraConfig(..., lora_dropout=0.1)"
         )
+    optimizer = adamw(lr, num_steps=num_steps, schedule=schedule, warmup_ratio=warmup_ratio)
     with _training_mode(dropout, True):
-        member = _fit_point(model, net, args, kwargs, num_steps, lr, 0.0, progress)
+        member = _fit_point(model, net, args, kwargs, num_steps, optimizer, progress)
     member.samples = {
         name: value.expand(num_samples, *value.shape[1:]) for name, value in member.samples.items()
     }
@@ -226,6 +247,8 @@ def deep_ensemble(
     net: LiftedModule | None = None,
     lr: float = 5e-4,
     seed: int = 0,
+    schedule: str = "linear",
+    warmup_ratio: float = 0.06,
     progress: bool = True,
     **kwargs,
 ) -> Predictor:
@@ -256,7 +279,8 @@ def deep_ensemble(
                 for layer in layers:
                     for adapter in layer.active_adapters:
                         layer.reset_lora_parameters(adapter, init_lora_weights=True)
-            members.append(_fit_point(model, net, args, kwargs, num_steps, lr, 0.0, progress))
+            optimizer = adamw(lr, num_steps=num_steps, schedule=schedule, warmup_ratio=warmup_ratio)
+            members.append(_fit_point(model, net, args, kwargs, num_steps, optimizer, progress))
     return Predictor(model, members, dropout=_lora_dropout(net))
 
 
@@ -269,6 +293,8 @@ def bbb(
     init_scale: float = math.log1p(math.exp(-3.0)),
     prior_std: float | None = 1.0,
     num_samples: int = 10,
+    schedule: str = "linear",
+    warmup_ratio: float = 0.06,
     progress: bool = True,
     **kwargs,
 ) -> Predictor:
@@ -290,7 +316,7 @@ def bbb(
     _forget_point_weights(net)
     guide = MeanFieldGuide(model, init_scale=init_scale, scale_parametrization="softplus")
     _forget_params(type(guide).__name__ + ".")
-    optimizer = pyro.optim.AdamW({"lr": lr, "eps": _ADAM_EPS, "weight_decay": 0.0})
+    optimizer = adamw(lr, num_steps=num_steps, schedule=schedule, warmup_ratio=warmup_ratio)
     svi = SVI(model, guide, distributed.DataParallelOptim(optimizer), TraceMeanField_ELBO())
     batches = Minibatches(args, kwargs)
     bar = trange(num_steps, desc="BBB", disable=not progress, leave=False)
@@ -314,12 +340,15 @@ def blob(
     flipout: bool = True,
     kl_weighting: str = "exponential",
     num_samples: int = 10,
+    schedule: str = "linear",
+    warmup_ratio: float = 0.06,
     progress: bool = True,
     **kwargs,
 ) -> Predictor:
     """BLoB with its reference training recipe (:func:`~pyro_bdl.inference.fit_blob`).
 
-    Defaults are the paper's RoBERTa settings (Tables 3 and 4).
+    Defaults are the paper's RoBERTa settings (Tables 3 and 4); both of its optimisers
+    follow ``schedule``.
 
     :param float kl_lr: SGD's learning rate for the KL.
     :param float eps: initialisation of :math:`G`.
@@ -343,6 +372,8 @@ def blob(
             lr=lr,
             kl_lr=kl_lr,
             kl_weighting=kl_weighting,
+            schedule=schedule,
+            warmup_ratio=warmup_ratio,
             progress=progress,
             **kwargs,
         )
@@ -367,6 +398,8 @@ def ivon(
     clip_radius: float = math.inf,
     prior_std: float | None = 0.2,
     num_samples: int = 10,
+    schedule: str = "linear",
+    warmup_ratio: float = 0.06,
     progress: bool = True,
     **kwargs,
 ) -> Predictor:
@@ -376,7 +409,8 @@ def ivon(
     module's weights, :math:`h` at ``hess_init``, the weight decay from the prior
     :math:`\mathcal{N}(0, \sigma_p^2)`. IVON trains the random weights only: lift every
     LoRA weight random (Cong et al. put the posterior on A and B); point weights keep
-    their values (with a warning). Defaults are ``ivon-opt``'s.
+    their values (with a warning). Defaults are ``ivon-opt``'s; the learning rate follows
+    the recipe's ``schedule`` (warm-up, then linear decay or constant), as every method's.
 
     :param float ess: the effective sample size :math:`\lambda` (default :math:`N`, the
         posterior).
@@ -392,6 +426,7 @@ def ivon(
     """
     net = _lifted(model, net)
     num_samples = _checks.integer("num_samples", num_samples, low=0)
+    multiplier = _schedule(num_steps, schedule, warmup_ratio)
     if prior_std is not None:
         prior_std = _checks.real("prior_std", prior_std, positive=True)
     guide = IVONGuide(model, ess=ess, hess_init=hess_init)
@@ -408,11 +443,68 @@ def ivon(
             beta2=beta2,
             mc_samples=mc_samples,
             clip_radius=clip_radius,
+            schedule=multiplier,
             progress=progress,
             **kwargs,
         )
     member = _guide_member(guide, net, Minibatches(args, kwargs))
     return Predictor(model, [member], num_samples=num_samples, dropout=_lora_dropout(net))
+
+
+def adamw(
+    lr: float,
+    weight_decay: float = 0.0,
+    *,
+    num_steps: int,
+    schedule: str = "linear",
+    warmup_ratio: float = 0.06,
+) -> pyro.optim.PyroOptim:
+    """AdamW with the warm-up and decay of the recipe, as a ``pyro.optim`` optimiser.
+
+    The learning rate of step :math:`t` is ``lr * warmup_schedule(t, num_steps,
+    warmup_ratio, schedule)`` (:func:`~pyro_bdl.inference.vi.blob_svi.warmup_schedule`,
+    BLoB's own). Pyro keeps one torch optimiser per parameter; each advances its schedule
+    at its own step, and every weight steps once per SVI step.
+
+    Example::
+
+        optimizer = adamw(5e-4, num_steps=2000)
+        svi = SVI(model, guide, optimizer, Trace_ELBO())
+
+    :param float lr: the peak learning rate.
+    :param float weight_decay: decoupled weight decay.
+    :param int num_steps: the length of the run.
+    :param str schedule: ``"linear"`` or ``"constant"`` after the warm-up.
+    :param float warmup_ratio: fraction of the steps of linear warm-up.
+    """
+    factor = _schedule(num_steps, schedule, warmup_ratio)
+    lr = _checks.real("lr", lr, positive=True)
+    weight_decay = _checks.real("weight_decay", weight_decay, non_negative=True)
+    return pyro.optim.PyroOptim(
+        _ScheduledAdamW,
+        {"lr": lr, "eps": _ADAM_EPS, "weight_decay": weight_decay, "lr_lambda": factor},
+    )
+
+
+def _schedule(num_steps: int, schedule: str, warmup_ratio: float) -> Callable[[int], float]:
+    """The recipe's learning-rate multiplier of step ``t``, checked."""
+    num_steps = _checks.integer("num_steps", num_steps, low=1)
+    _checks.one_of("schedule", schedule, ("linear", "constant"))
+    warmup_ratio = _checks.probability("warmup_ratio", warmup_ratio, open_high=True)
+    return lambda step: warmup_schedule(step, num_steps, warmup_ratio, schedule)
+
+
+class _ScheduledAdamW(torch.optim.AdamW):
+    """AdamW that steps its own ``LambdaLR`` after each update (one per Pyro parameter)."""
+
+    def __init__(self, params, lr_lambda: Callable[[int], float], **options):
+        super().__init__(params, **options)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self, lr_lambda)
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.schedule.step()
+        return loss
 
 
 def _lifted(model: Callable, net: LiftedModule | None) -> LiftedModule:
@@ -439,13 +531,11 @@ def _fit_point(
     args: tuple,
     kwargs: dict,
     num_steps: int,
-    lr: float,
-    weight_decay: float,
+    optimizer: pyro.optim.PyroOptim,
     progress: bool,
 ) -> _Member:
     """Fit every random and point weight by (weight-decayed) maximum likelihood."""
     _forget_point_weights(net)
-    optimizer = pyro.optim.AdamW({"lr": lr, "eps": _ADAM_EPS, "weight_decay": weight_decay})
     fitted = fit_map(
         model,
         *args,

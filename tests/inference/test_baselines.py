@@ -157,3 +157,34 @@ def test_missing_pieces_are_errors_naming_the_fix(task):
         baselines.mle(lambda batch, num_data: model(batch, num_data), loader, NUM_DATA, num_steps=1)
     with pytest.raises(ValueError, match="num_members"):
         baselines.deep_ensemble(model, loader, NUM_DATA, num_steps=1, net=net, num_members=0)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "constant"])
+def test_adamw_follows_the_warmup_schedule_step_by_step(schedule):
+    """Each Pyro parameter's AdamW runs at lr * warmup_schedule(t) at its step t."""
+    num_steps, lr = 20, 0.1
+    optimizer = baselines.adamw(lr, num_steps=num_steps, schedule=schedule, warmup_ratio=0.25)
+
+    def model():
+        loc = pyro.param("loc", torch.zeros(2))
+        pyro.sample("x", dist.Normal(loc, 1.0).to_event(1), obs=torch.ones(2))
+
+    svi = pyro.infer.SVI(model, lambda: None, optimizer, pyro.infer.Trace_ELBO())
+    rates = []
+    for _ in range(num_steps):
+        svi.step()
+        (torch_optimizer,) = optimizer.optim_objs.values()
+        rates.append(torch_optimizer.param_groups[0]["lr"])
+    warmup = [lr * t / 5 for t in range(1, 6)]  # 5 warm-up steps reach the peak
+    after = [lr * (num_steps - t) / 15 for t in range(6, num_steps + 1)]
+    expected = warmup + (after if schedule == "linear" else [lr] * (num_steps - 5))
+    assert rates == pytest.approx(expected)
+
+
+def test_adamw_names_a_bad_setting():
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        baselines.adamw(1e-3, num_steps=10, schedule="cosine")
+    with pytest.raises(ValueError, match="warmup_ratio"):
+        baselines.adamw(1e-3, num_steps=10, warmup_ratio=1.0)
+    with pytest.raises(ValueError, match="num_steps"):
+        baselines.adamw(1e-3, num_steps=0)

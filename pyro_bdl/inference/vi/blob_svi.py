@@ -10,7 +10,8 @@ The reference implementation of BLoB takes one minibatch step in two parts:
    \mathrm{KL}` and :math:`G` with :math:`\nabla_G \ell + \lambda_i \nabla_G \mathrm{KL}`.
 
 Both learning rates warm up linearly over ``warmup_ratio`` of the steps and then decay
-linearly to zero.
+linearly to zero (:func:`warmup_schedule`; BLoB's Table 3 gives every method of the table
+this schedule).
 
 How much this weighs the KL: the minibatch ELBO, divided by :math:`N` to put it in the
 same units (a mean NLL per example), is :math:`\ell + \mathrm{KL} / N` at every step. Here
@@ -53,11 +54,31 @@ from pyro_bdl.inference.vi.kl_weights import (
 )
 from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
 
-__all__ = ["BLoBSVI", "fit_blob"]
+__all__ = ["BLoBSVI", "fit_blob", "warmup_schedule"]
 
 # AdamW's epsilon in the reference implementation.
 _ADAM_EPS = 1e-6
 _KL_WEIGHTINGS = {"exponential": exponential_kl_weight, "uniform": uniform_kl_weight}
+_SCHEDULES = ("linear", "constant")
+
+
+def warmup_schedule(step: int, num_steps: int, warmup_ratio: float, schedule: str) -> float:
+    """The learning-rate factor of ``step``: linear warm-up, then linear decay or constant.
+
+    ``"linear"`` is transformers' ``get_linear_schedule_with_warmup`` (the reference
+    implementation's and Table 3's); ``"constant"`` keeps the rate after the warm-up.
+
+    :param int step: the step, from 0.
+    :param int num_steps: the length of the run.
+    :param float warmup_ratio: fraction of the steps of warm-up.
+    :param str schedule: ``"linear"`` or ``"constant"``.
+    """
+    warmup = num_steps * warmup_ratio
+    if step < warmup:
+        return step / max(1.0, warmup)
+    if schedule == "constant":
+        return 1.0
+    return max(0.0, (num_steps - step) / max(1.0, num_steps - warmup))
 
 
 class BLoBSVI:
@@ -91,6 +112,8 @@ class BLoBSVI:
     :param float warmup_ratio: fraction of the steps of linear warm-up (Table 3: 0.06).
     :param str kl_weighting: ``"exponential"`` (BLoB) or ``"uniform"`` (:math:`1/M`).
     :param float gamma: :math:`\gamma` of the dataset rescaling (Table 4: 8).
+    :param str schedule: ``"linear"`` decay after the warm-up (Table 3) or ``"constant"``
+        (see :func:`warmup_schedule`).
     """
 
     def __init__(
@@ -105,6 +128,7 @@ class BLoBSVI:
         warmup_ratio: float = 0.06,
         kl_weighting: str = "exponential",
         gamma: float = 8.0,
+        schedule: str = "linear",
     ):
         function("model", model, "a Pyro model (a callable)")
         instance("guide", guide, MeanFieldGuide, "a BLoBGuide or MeanFieldGuide")
@@ -115,6 +139,7 @@ class BLoBSVI:
         warmup_ratio = probability("warmup_ratio", warmup_ratio, open_high=True)
         one_of("kl_weighting", kl_weighting, _KL_WEIGHTINGS)
         gamma = real("gamma", gamma, positive=True)
+        one_of("schedule", schedule, _SCHEDULES)
         self.model = model
         self.guide = guide
         self.num_steps = num_steps
@@ -124,6 +149,7 @@ class BLoBSVI:
         self.warmup_ratio = warmup_ratio
         self.kl_weighting = kl_weighting
         self.gamma = gamma
+        self.schedule = schedule
         self.step_count = 0
         self.num_data: int | None = None
         self.kl_cycle: int | None = None
@@ -194,11 +220,7 @@ class BLoBSVI:
             optimizer.zero_grad(set_to_none=True)
 
     def _schedule(self, step: int) -> float:
-        # Linear warm-up then linear decay to 0, as transformers' get_linear_schedule_with_warmup.
-        warmup = self.num_steps * self.warmup_ratio
-        if step < warmup:
-            return step / max(1.0, warmup)
-        return max(0.0, (self.num_steps - step) / max(1.0, self.num_steps - warmup))
+        return warmup_schedule(step, self.num_steps, self.warmup_ratio, self.schedule)
 
     def _kl(self, priors: dict) -> torch.Tensor:
         try:
@@ -248,6 +270,7 @@ def fit_blob(
     warmup_ratio: float = 0.06,
     kl_weighting: str = "exponential",
     gamma: float = 8.0,
+    schedule: str = "linear",
     progress: bool = True,
     **kwargs,
 ) -> dict[str, list[float]]:
@@ -281,6 +304,7 @@ def fit_blob(
         warmup_ratio=warmup_ratio,
         kl_weighting=kl_weighting,
         gamma=gamma,
+        schedule=schedule,
     )
     batches = Minibatches(args, kwargs)
     records: list[dict] = []
