@@ -22,6 +22,7 @@ curvature's factorisation, so :math:`\delta` is tuned by gradient ascent on
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,11 @@ import torch
 from pyro_bdl.inference.laplace.curvature.base import GaussianBlock
 
 __all__ = ["log_marginal_likelihood", "maximise_evidence"]
+
+#: The evidence counts as maximised when, for every group of sites, the gradient of the log
+#: evidence in :math:`\log\delta` is below this fraction of its scale :math:`d_g / 2`
+#: (:math:`d_g` weights; the derivative of the prior's :math:`\frac{d_g}{2}\log\delta`).
+CONVERGENCE_TOLERANCE = 1e-2
 
 
 def log_marginal_likelihood(
@@ -66,12 +72,19 @@ def maximise_evidence(
     init: dict[str, torch.Tensor],
     num_steps: int,
     lr: float,
+    sizes: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Adam on :math:`\\log\\delta`, one scalar per group of sites.
+
+    With ``sizes``, a group whose gradient :math:`\\partial \\log p(\\mathcal{D}) /
+    \\partial \\log\\delta_g` after the last step exceeds
+    :data:`CONVERGENCE_TOLERANCE` times :math:`d_g / 2` gets a warning naming it: the
+    prior precision is not at the evidence's maximum yet.
 
     :param callable evidence: prior precision (site -> tensor) -> log evidence.
     :param dict groups: group name -> the sites sharing one :math:`\\delta`.
     :param dict init: group name -> initial :math:`\\delta`.
+    :param dict sizes: site -> number of weights (for the convergence check).
     :return: site -> the optimised :math:`\\delta` (a 0-dim tensor).
     """
     log_delta = {g: init[g].detach().log().clone().requires_grad_() for g in groups}
@@ -84,4 +97,24 @@ def maximise_evidence(
         optimiser.zero_grad()
         (-evidence(per_site())).backward()
         optimiser.step()
+    if sizes is not None:
+        _check_stationary(evidence, per_site, log_delta, groups, sizes, num_steps, lr)
     return {site: value.detach() for site, value in per_site().items()}
+
+
+def _check_stationary(evidence, per_site, log_delta, groups, sizes, num_steps, lr) -> None:
+    gradients = torch.autograd.grad(evidence(per_site()), list(log_delta.values()))
+    relative = {
+        group: abs(float(gradient)) / (0.5 * sum(sizes[site] for site in groups[group]))
+        for group, gradient in zip(log_delta, gradients, strict=True)
+    }
+    worst = max(relative, key=relative.get)
+    if relative[worst] > CONVERGENCE_TOLERANCE:
+        warnings.warn(
+            f"optimize_prior_precision: the evidence is not maximised after num_steps="
+            f"{num_steps} (lr={lr}): its gradient in log delta for {worst!r} is "
+            f"{relative[worst]:.2g} of its scale d/2 (tolerance {CONVERGENCE_TOLERANCE}); "
+            "raise num_steps",
+            RuntimeWarning,
+            stacklevel=4,
+        )

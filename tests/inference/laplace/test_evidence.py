@@ -90,9 +90,9 @@ def test_tuning_arguments_are_checked(helpers, linear_gaussian):
     problem = linear_gaussian
     guide = LaplaceGuide(problem.model, curvature="full")
     guide.fit(problem.loader(), problem.num_data, map=False, progress=False)
-    with pytest.raises(ValueError, match="'marglik' or 'gridsearch'"):
+    with pytest.raises(ValueError, match="method must be one of 'marglik', 'gridsearch'"):
         guide.optimize_prior_precision("cv")
     with pytest.raises(ValueError, match="needs the validation data"):
         guide.optimize_prior_precision("gridsearch")
-    with pytest.raises(ValueError, match="'scalar' or 'layer'"):
+    with pytest.raises(ValueError, match="structure must be one of 'scalar', 'layer'"):
         guide.optimize_prior_precision("marglik", structure="diag")
