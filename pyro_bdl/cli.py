@@ -80,6 +80,11 @@ def _parser() -> _Parser:
     experiment.add_argument("--seeds", type=_seed, nargs="+", default=[0, 1, 2])
     experiment.add_argument("--datasets", nargs="+", help="restrict to these datasets")
     experiment.add_argument("--methods", nargs="+", help="restrict to these methods")
+    experiment.add_argument(
+        "--device",
+        default="cpu",
+        help="where the networks run: cpu (laptop-scale sizes) or cuda (the papers' sizes)",
+    )
     return parser
 
 
@@ -106,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 seeds=args.seeds,
                 datasets=args.datasets,
                 methods=args.methods,
+                device=args.device,
             )
     except (ValueError, FileNotFoundError) as error:  # bad names, malformed data: one line
         sys.exit(f"pyro-bdl: error: {error}")

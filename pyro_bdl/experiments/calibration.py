@@ -1,43 +1,61 @@
 """Calibration of Bayesian LoRA fine-tuning: BLoB's Table 1 and Laplace-LoRA's figures.
 
 all-MiniLM-L6-v2 with LoRA (rank 8, alpha 16, dropout 0.1, queries and values) and a new
-output head is fine-tuned on SST-2, WinoGrande-S, ARC-Easy, OpenBookQA and BoolQ, and
-every method is scored on the test subset by accuracy, ECE (15 bins) and NLL of its
-Bayesian model average, as mean +- sd over seeds. The methods:
+output head is fine-tuned on the papers' tasks, and every method is scored on the test
+subset by accuracy, ECE (15 bins) and NLL of its Bayesian model average, as mean +- sd
+over seeds. Whatever a method chooses (Laplace's link) it chooses on the validation
+subset; the test subset is only scored.
 
-- **MLE**: AdamW (lr 5e-4) on the likelihood, LoRA and model dropout on while training;
-  it is the first member of the ensemble.
-- **MAP**: AdamW with weight decay 1e-5 (BLoB's MAP, :func:`~pyro_bdl.experiments.
-  lora_finetune.fine_tune_map`); the checkpoint that LA, LLLA and SGHMC start from.
-- **MCD**: the MLE checkpoint predicted with LoRA dropout on, 10 passes (BLoB trains MLE
-  and MCD alike; they differ at prediction).
+**One training recipe for every method** (BLoB, Table 3; :func:`~pyro_bdl.experiments.
+lora_finetune.training_recipe`): AdamW at peak learning rate 5e-4, linear warm-up over 6%
+of the steps then linear decay to zero, the task's batch size (32, Table 3's RoBERTa) and
+number of steps, for MLE, MAP, MCD, the ensemble members, BBB, BLoB and IVON alike. The
+methods:
+
+- **MLE**: the recipe on the likelihood, LoRA and model dropout on while training; it is
+  the first member of the ensemble.
+- **MAP**: the recipe with AdamW weight decay 1e-5 (BLoB's MAP); the checkpoint that LA,
+  LLLA and SGHMC start from.
+- **MCD**: the MLE checkpoint predicted with LoRA dropout on, 10 passes.
 - **ENS**: three MLE fine-tunes from LoRA initialisations of different seeds.
-- **LA**: K-FAC GGN Laplace on every LoRA weight and the head at the MAP, prior precision
-  maximising the evidence, linearised predictive with 100 joint logit draws
-  (Laplace-LoRA). **LLLA**: the same on the head only.
+- **BBB**: Bayes by Backprop on the LoRA A matrices (B and the head point estimates, as
+  the paper's BBB), :func:`~pyro_bdl.inference.baselines.bbb`, 10 draws.
+- **BLoB**: :func:`~pyro_bdl.inference.baselines.blob` with the paper's RoBERTa settings
+  (Table 4), both its optimisers on the recipe's schedule; the mean weights (N = 0) and
+  N = 5 and 10 draws.
+- **IVON**: :func:`~pyro_bdl.inference.baselines.ivon` where the library has it, with
+  the recipe's steps and batch size (its own optimiser), 10 draws.
+- **LA**: the Laplace recipe (:func:`~pyro_bdl.experiments.lora_finetune.laplace`):
+  K-FAC GGN on every LoRA weight and the head at the MAP, one prior precision per weight
+  tensor maximising the evidence from a fan-in-scaled prior, the predictive's link chosen
+  on the validation subset (100 joint logit draws for ``"mc"``). **LLLA**: the same on the
+  head only.
 - **LA-torch**: laplace-torch's ``KronLaplace`` (curvlinops GGN) on the same MAP
-  checkpoint with the same prior tuning and predictive (classification tasks only), so
-  that ours is compared with the reference implementation.
-- **BLoB**: :func:`~pyro_bdl.inference.baselines.blob` with the paper's RoBERTa settings,
-  predicted with the mean weights (N = 0) and with N = 5 and 10 draws.
+  checkpoint with its own per-layer evidence tuning and the MC predictive (classification
+  tasks, first seed), the reference implementation beside ours.
 - **SGHMC**: parallel SGHMC (a Bayesian deep ensemble, posteriors paper section 4.2):
   4 chains started at the MAP at temperature 1, each a tenth of a fine-tune long, the
   last draw of each.
 
-The regime that matters is the one where fine-tuning overfits and MAP is overconfident:
-every fine-tune runs ``epochs`` passes over a small training subset, and the MAP's
-train/test gap is reported. Sizes (``FULL`` and ``QUICK`` below) are chosen so that a
-full run of 3 seeds takes about 90 minutes on one CPU core; they are far smaller than
-the papers' (BLoB trains Llama2-7B for 5,000 steps of batch 4).
+**Sizes.** On a CPU (``--device cpu``, :data:`FULL`) every task trains on 512 examples
+(all 640 of WinoGrande-S) for 10 epochs of batch 32 (160-200 steps: 4-5 cycles of BLoB's
+KL re-weighting, whose cycle is :math:`L^*/B` = 36-40 steps), with 200 validation and up
+to 500 test examples. On a GPU (``--device cuda``, :data:`PAPER`) the six tasks of
+BLoB's Table 1 train on their full training sets for 2,000 steps of batch 32 (the papers
+train for a number of steps: BLoB 5,000 of batch 4, Laplace-LoRA 10,000 of batch 32).
+The regime that matters is the one where fine-tuning overfits and MAP is overconfident;
+the MAP's train/test gap is reported.
 
-Outputs in ``--out``: ``results.json``, ``calibration.md`` (the tables),
-``calibration_<dataset>.png`` (reliability diagrams of the pooled seeds), ``cells/`` (one
-JSON per dataset x method x seed, with the per-example probabilities) and
-``checkpoints/`` (the fine-tuned adapters and head, ``.pt`` files of site values).
+Outputs in ``--out``: ``results.json`` (with the device, the sizes, the recipe and every
+cell's wall and CPU time), ``calibration.md`` (the tables), ``calibration_<dataset>.png``
+(reliability diagrams of the pooled seeds, one panel per method), ``cells/`` (one JSON per
+dataset x method x seed, with the per-example probabilities) and ``checkpoints/`` (the
+fine-tuned adapters and head).
 
 Run::
 
     pyro-bdl experiment calibration --data-dir ../shared/data --out results/calibration
+    pyro-bdl experiment calibration --data-dir ../shared/data --out results/paper --device cuda
 """
 
 from __future__ import annotations
@@ -53,6 +71,8 @@ from pyro_bdl.experiments.lora_finetune import (
     LEARNING_RATE,
     LORA,
     PRIOR_SCALE,
+    SCHEDULE,
+    WARMUP_RATIO,
     WEIGHT_DECAY,
     Network,
     Task,
@@ -68,32 +88,60 @@ from pyro_bdl.experiments.lora_finetune import (
     predict,
     sghmc_chains,
     single_thread,
+    training_recipe,
 )
 from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import baselines
 from pyro_bdl.models import DictLogits
 from pyro_bdl.plots import reliability_diagram
 
-__all__ = ["run", "FULL", "QUICK", "METHODS"]
+__all__ = ["run", "FULL", "PAPER", "QUICK", "METHODS"]
 
-METHODS = ("MLE", "MAP", "MCD", "ENS", "LA", "LLLA", "LA-torch", "BLoB", "SGHMC")
+METHODS = (
+    "MLE",
+    "MAP",
+    "MCD",
+    "ENS",
+    "BBB",
+    "BLoB",
+    "IVON",
+    "LA",
+    "LLLA",
+    "LA-torch",
+    "SGHMC",
+)
 
-#: The full run: about 90 minutes for 3 seeds with one CPU core. SST-2 overfits in 10
-#: epochs of batch 16 (160 steps). The multiple-choice tasks and BoolQ stay at the uniform
-#: prediction for that many steps; they train for 30 epochs of batch 4 (BLoB's batch
-#: size; its WinoGrande-S run is about 30 epochs) on subsets of a few dozen examples,
-#: which is what the time allows.
+_VALIDATION = 200
+#: The CPU run: at least 500 training examples per task (all 640 of WinoGrande-S), 10
+#: epochs of batch 32, 200 validation examples, up to 500 test examples (OpenBookQA's
+#: validation examples come from its own validation file).
 FULL = {
-    "sst2": TaskSpec("sst2", train_size=256, test_size=250, max_length=64, batch_size=16),
-    "winogrande_s": TaskSpec("winogrande_s", 32, 150, max_length=48, batch_size=4, epochs=30),
-    "arc_easy": TaskSpec("arc_easy", 16, 80, max_length=64, batch_size=4, epochs=30),
-    "obqa": TaskSpec("obqa", 20, 100, max_length=48, batch_size=4, epochs=30),
-    "boolq": TaskSpec("boolq", 24, 80, max_length=96, batch_size=4, epochs=30),
+    "sst2": TaskSpec("sst2", 512, 500, max_length=64, validation_size=_VALIDATION),
+    "winogrande_s": TaskSpec("winogrande_s", None, 500, 48, validation_size=_VALIDATION),
+    "arc_easy": TaskSpec("arc_easy", 512, 500, 64, validation_size=_VALIDATION),
+    "obqa": TaskSpec(
+        "obqa", 512, 500, 48, validation_size=_VALIDATION, validation_split="validation"
+    ),
+    "boolq": TaskSpec("boolq", 512, None, 96, validation_size=_VALIDATION),
 }
-#: The CI run: two tasks, tiny subsets, one epoch (the numbers mean nothing).
+#: The GPU run: BLoB's six tasks on their full training sets, 2,000 steps of batch 32.
+PAPER = {
+    name: TaskSpec(name, None, None, length, steps=2000, validation_size=500, **options)
+    for name, length, options in (
+        ("winogrande_s", 48, {}),
+        ("winogrande_m", 48, {}),
+        ("arc_easy", 64, {}),
+        ("arc_challenge", 64, {}),
+        ("obqa", 48, {"validation_split": "validation"}),
+        ("boolq", 128, {}),
+    )
+}
+#: The CI run: two tasks, tiny subsets, a few steps (the numbers mean nothing).
 QUICK = {
-    "sst2": TaskSpec("sst2", 16, 16, max_length=32, batch_size=16, epochs=1),
-    "winogrande_s": TaskSpec("winogrande_s", 8, 40, max_length=32, batch_size=8, epochs=1),
+    "sst2": TaskSpec("sst2", 16, 16, max_length=32, batch_size=8, epochs=2, validation_size=8),
+    "winogrande_s": TaskSpec(
+        "winogrande_s", 8, 40, max_length=32, batch_size=8, epochs=2, validation_size=8
+    ),
 }
 #: Method settings; ``QUICK_METHOD`` overrides some for the CI run.
 METHOD = {
@@ -102,7 +150,11 @@ METHOD = {
     "laplace_samples": 100,
     "marglik_steps": 1000,
     "blob_samples": (5, 10),
-    "blob": {"lr": LEARNING_RATE, "kl_lr": 0.002, "eps": 0.05, "prior_std": PRIOR_SCALE},
+    "blob": {"kl_lr": 0.002, "eps": 0.05, "prior_std": PRIOR_SCALE},
+    "bbb_samples": 10,
+    # IVON's own hyperparameters (its learning rate is not AdamW's); the recipe gives it
+    # the steps and the batch size.
+    "ivon": {"num_samples": 10},
     "sghmc_chains": 4,
     "sghmc_fraction": 0.1,
     "sghmc": {"step_size": 0.03, "friction": 1.0, "temperature": 1.0},
@@ -111,15 +163,16 @@ QUICK_METHOD = {
     "ensemble_members": 2,
     "mc_dropout_passes": 3,
     "laplace_samples": 20,
-    "marglik_steps": 20,
     "blob_samples": (2, 3),
+    "bbb_samples": 3,
+    "ivon": {"num_samples": 3},
     "sghmc_chains": 2,
 }
-#: Methods drawn in the reliability diagrams.
-DIAGRAM = ("MAP", "MCD", "ENS", "LA", "SGHMC")  # and the BLoB row with most draws
-#: laplace-torch runs on SST-2 (the issue's anchor), for the first seed only: its GLM
+#: Methods drawn in the reliability diagrams (with the BLoB row of most draws).
+DIAGRAM = ("MAP", "ENS", "BBB", "IVON", "LA", "SGHMC")
+#: laplace-torch runs on the classification tasks, for the first seed only: its GLM
 #: predictive takes about 30 times as long as ours (measured 13 s against 0.4 s per batch).
-LAPLACE_TORCH_TASKS = ("sst2",)
+LAPLACE_TORCH_TASKS = ("sst2", "boolq")
 
 
 def run(experiment: Experiment) -> dict:
@@ -130,25 +183,26 @@ def run(experiment: Experiment) -> dict:
 
 def _run(experiment: Experiment) -> dict:
     """Run the grid of datasets x methods x seeds; write the results, tables and figures."""
-    specs = QUICK if experiment.quick else FULL
+    specs = QUICK if experiment.quick else PAPER if experiment.on_gpu else FULL
     settings = {**METHOD, **(QUICK_METHOD if experiment.quick else {})}
     datasets = experiment.selected("datasets", specs)
     methods = experiment.selected("methods", METHODS)
+    tokenizer = minilm_tokenizer()
+    tasks = {name: Task(specs[name], experiment.data_dir, tokenizer) for name in datasets}
     experiment.settings = {
         "model": "all-MiniLM-L6-v2 + LoRA on query/value, new head",
         "lora": LORA,
         "prior_scale": PRIOR_SCALE,
-        "optimizer": f"AdamW lr {LEARNING_RATE}, dropout on; MAP weight decay {WEIGHT_DECAY}",
+        "recipe": _recipe_text(),
         "tasks": {name: specs[name].asdict() for name in datasets},
+        "sizes": {name: task.sizes() for name, task in tasks.items()},
         "methods": settings,
         "torch_threads": torch.get_num_threads(),
     }
-    tokenizer = minilm_tokenizer()
     cells: dict[str, dict[str, dict[int, dict]]] = {}
     extras: dict[str, dict[str, dict[int, dict]]] = {}
-    for dataset in datasets:
-        task = Task(specs[dataset], experiment.data_dir, tokenizer)
-        fits = _Fits(experiment.out / "checkpoints" / dataset, task, settings)
+    for dataset, task in tasks.items():
+        fits = _Fits(experiment.out / "checkpoints" / dataset, task, settings, experiment.device)
         for seed in experiment.seeds:
             for method in methods:
                 if method == "LA-torch" and (
@@ -158,7 +212,7 @@ def _run(experiment: Experiment) -> dict:
                 compute = _METHODS[method]
                 cell = experiment.cell(
                     (dataset, method, seed),
-                    lambda compute=compute, fits=fits, seed=seed: compute(fits, seed, settings),
+                    lambda compute=compute, fits=fits, seed=seed: compute(fits, seed),
                 )
                 print(f"{dataset} {method} seed {seed}: {cell['wall_time_s']:.0f} s", flush=True)
                 for row, result in cell["rows"].items():
@@ -166,31 +220,41 @@ def _run(experiment: Experiment) -> dict:
                 extra = {k: v for k, v in cell.items() if k != "rows"}
                 extras.setdefault(dataset, {}).setdefault(method, {})[seed] = extra
     results = _summaries(cells, extras)
-    tables = _tables(results, datasets)
+    tables = _tables(results, [d for d in datasets if d in cells], experiment)
     (experiment.out / "calibration.md").write_text(tables + "\n")
-    for dataset in datasets:
+    for dataset in cells:
         _diagram(cells[dataset], experiment.out / f"calibration_{dataset}.png", dataset)
     experiment.write_results(results)
     print(tables)
     return results
 
 
+def _recipe_text() -> str:
+    return (
+        f"AdamW, peak lr {LEARNING_RATE}, {SCHEDULE} decay after a linear warm-up over "
+        f"{WARMUP_RATIO:.0%} of the steps, eps 1e-6; MAP weight decay {WEIGHT_DECAY}; "
+        "the task's steps and batch size for every method"
+    )
+
+
 class _Fits:
     """The fine-tunes of one task that several methods share, cached on disk."""
 
-    def __init__(self, directory: Path, task: Task, settings: dict):
+    def __init__(self, directory: Path, task: Task, settings: dict, device: torch.device):
         self.directory = directory
         self.task = task
         self.settings = settings
+        self.device = device
 
     def network(self, seed: int) -> Network:
         pyro.clear_param_store()
-        return Network(self.task, seed)
+        return Network(self.task, seed, self.device)
 
     def map(self, seed: int) -> dict[str, torch.Tensor]:
         return checkpoint(
             self.directory / f"seed{seed}" / "map.pt",
             lambda: fine_tune_map(self.network(seed), self.task, seed),
+            self.device,
         )
 
     def ensemble(self, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -203,16 +267,15 @@ class _Fits:
                 network.model,
                 self.task.train_loader(seed),
                 self.task.num_data,
-                num_steps=self.task.num_steps,
                 num_members=count,
                 net=network.net,
-                lr=LEARNING_RATE,
                 seed=100 * seed,
                 progress=False,
+                **training_recipe(self.task),
             )
             for path, member in zip(paths, predictor.members, strict=True):
                 checkpoint(path, lambda member=member: _first(member.samples))
-        return [torch.load(path) for path in paths]
+        return [torch.load(path, map_location=self.device, weights_only=True) for path in paths]
 
 
 def _first(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -228,7 +291,7 @@ def _row(draws, task: Task) -> dict:
     }
 
 
-def _map(fits: _Fits, seed: int, settings: dict) -> dict:
+def _map(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
     theta = fits.map(seed)
     draws = point_draws(network.model, [theta])
@@ -236,58 +299,56 @@ def _map(fits: _Fits, seed: int, settings: dict) -> dict:
     return {"rows": {"MAP": _row(draws, fits.task)}, "train": evaluate(train_probs, train_labels)}
 
 
-def _mle(fits: _Fits, seed: int, settings: dict) -> dict:
+def _mle(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
     return {"rows": {"MLE": _row(point_draws(network.model, fits.ensemble(seed)[:1]), fits.task)}}
 
 
-def _ens(fits: _Fits, seed: int, settings: dict) -> dict:
+def _ens(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
     return {"rows": {"ENS": _row(point_draws(network.model, fits.ensemble(seed)), fits.task)}}
 
 
-def _mcd(fits: _Fits, seed: int, settings: dict) -> dict:
+def _mcd(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
-    passes = settings["mc_dropout_passes"]
+    passes = fits.settings["mc_dropout_passes"]
     draws = point_draws(network.model, fits.ensemble(seed)[:1] * passes)
     pyro.set_rng_seed(seed)
     with lora_dropout(network.module):
         return {"rows": {"MCD": _row(draws, fits.task)}}
 
 
-def _la(fits: _Fits, seed: int, settings: dict) -> dict:
+def _la(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
-    guide = laplace(network.model, fits.task, fits.map(seed), settings["marglik_steps"])
-    return {"rows": {"LA": _laplace_row(guide, fits.task, seed, settings)}, **_info(guide)}
+    guide, info = laplace(network.model, fits.task, fits.map(seed), fits.settings["marglik_steps"])
+    return {"rows": {"LA": _laplace_row(guide, info, fits, seed)}, "laplace": info}
 
 
-def _llla(fits: _Fits, seed: int, settings: dict) -> dict:
+def _llla(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
     theta = fits.map(seed)
     model = network.last_layer_model()
     head = {site: theta[site] for site in model.net.random_sites}
     # the adapters at the MAP in the module, the head random
     with network.net.fixed(theta):
-        guide = laplace(model, fits.task, head, settings["marglik_steps"])
-        return {"rows": {"LLLA": _laplace_row(guide, fits.task, seed, settings)}, **_info(guide)}
+        guide, info = laplace(model, fits.task, head, fits.settings["marglik_steps"])
+        return {"rows": {"LLLA": _laplace_row(guide, info, fits, seed)}, "laplace": info}
 
 
-def _laplace_row(guide, task: Task, seed: int, settings: dict) -> dict:
-    return _row(laplace_draws(guide, settings["laplace_samples"], seed), task)
+def _laplace_row(guide, info: dict, fits: _Fits, seed: int) -> dict:
+    samples = fits.settings["laplace_samples"]
+    return _row(laplace_draws(guide, samples, seed, info["link"]), fits.task)
 
 
-def _info(guide) -> dict:
-    info = guide.hyperparameters()
-    return {"laplace": {k: info[k] for k in ("prior_precision", "log_marginal_likelihood")}}
-
-
-def _la_torch(fits: _Fits, seed: int, settings: dict) -> dict:
+def _la_torch(fits: _Fits, seed: int) -> dict:
     """laplace-torch's K-FAC GGN Laplace on the same MAP checkpoint, as the reference."""
     try:
         laplace_torch = importlib.import_module("laplace")
         curvatures = importlib.import_module("laplace.curvature")
     except ImportError:
         return {"rows": {}, "skipped": "laplace-torch is not installed"}
+    if fits.task.multiple_choice:
+        return {"rows": {}, "skipped": "laplace-torch runs on the classification tasks"}
     network = fits.network(seed)
     with network.net.fixed(fits.map(seed)):
         module = copy.deepcopy(network.module)
@@ -301,29 +362,29 @@ def _la_torch(fits: _Fits, seed: int, settings: dict) -> dict:
         prior_precision=1 / PRIOR_SCALE**2,
         backend=curvatures.CurvlinopsGGN,
     )
-    la.fit(fits.task.train_loader(0), progress_bar=False)
+    la.fit(_on(fits.task.train_loader(0), fits.device), progress_bar=False)
     la.optimize_prior_precision(
         pred_type="glm",
         method="marglik",
-        n_steps=settings["marglik_steps"],
+        n_steps=fits.settings["marglik_steps"],
         lr=0.1,
         init_prior_prec=1 / PRIOR_SCALE**2,
         link_approx="mc",
-        prior_structure="scalar",
+        prior_structure="layerwise",
     )
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=fits.device).manual_seed(seed)
 
     def draws(batch):
         probs = la(
-            batch,
+            _to(batch, fits.device),
             pred_type="glm",
             link_approx="mc",
-            n_samples=settings["laplace_samples"],
+            n_samples=fits.settings["laplace_samples"],
             generator=generator,
         )
         return probs.unsqueeze(0)
 
-    precision = float(la.prior_precision.reshape(-1)[0])
+    precision = la.prior_precision.reshape(-1).tolist()
     evidence = float(la.log_marginal_likelihood().detach())
     return {
         "rows": {"LA-torch": _row(draws, fits.task)},
@@ -331,7 +392,35 @@ def _la_torch(fits: _Fits, seed: int, settings: dict) -> dict:
     }
 
 
-def _blob(fits: _Fits, seed: int, settings: dict) -> dict:
+def _to(batch: dict, device: torch.device) -> dict:
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def _on(loader, device: torch.device):
+    return [_to(batch, device) for batch in loader] if device.type != "cpu" else loader
+
+
+def _bbb(fits: _Fits, seed: int) -> dict:
+    """BBB on the A matrices, B and the head point estimates (BLoB's BBB)."""
+    network = fits.network(seed)
+    model = network.blob_model()
+    pyro.set_rng_seed(seed)
+    network.train()
+    predictor = baselines.bbb(
+        model,
+        fits.task.train_loader(seed),
+        fits.task.num_data,
+        net=model.net,
+        num_samples=fits.settings["bbb_samples"],
+        progress=False,
+        **training_recipe(fits.task),
+    )
+    network.eval()
+    pyro.set_rng_seed(seed)
+    return {"rows": {"BBB": _row(predictor, fits.task)}}
+
+
+def _blob(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
     model = network.blob_model()
     pyro.set_rng_seed(seed)
@@ -340,16 +429,16 @@ def _blob(fits: _Fits, seed: int, settings: dict) -> dict:
         model,
         fits.task.train_loader(seed),
         fits.task.num_data,
-        num_steps=fits.task.num_steps,
         net=model.net,
         progress=False,
-        **settings["blob"],
+        **fits.settings["blob"],
+        **training_recipe(fits.task),
     )
     network.eval()
     rows = {}
     predictor.num_samples = 0
     rows["BLoB (N=0)"] = _row(predictor, fits.task)
-    few, many = settings["blob_samples"]
+    few, many = fits.settings["blob_samples"]
     predictor.num_samples = many
     pyro.set_rng_seed(seed)
     probs, labels = predict(predictor, fits.task.test_loader())
@@ -359,19 +448,48 @@ def _blob(fits: _Fits, seed: int, settings: dict) -> dict:
             "probs": probs[:count].mean(0).round(decimals=6),
             "labels": labels,
         }
-    return {"rows": rows}
+    (member,) = predictor.members
+    return {"rows": rows, "blob": {"scales": _scales(member.guide_params)}}
 
 
-def _sghmc(fits: _Fits, seed: int, settings: dict) -> dict:
+def _scales(guide_params: dict) -> dict[str, float]:
+    """BLoB's standard deviations Omega = G^2 after training: mean and max over entries."""
+    omega = torch.cat(
+        [value.square().flatten() for name, value in guide_params.items() if "scale" in name]
+    )
+    return {"mean": float(omega.mean()), "max": float(omega.max())}
+
+
+def _ivon(fits: _Fits, seed: int) -> dict:
+    if not hasattr(baselines, "ivon"):
+        return {"rows": {}, "skipped": "pyro_bdl.inference.baselines has no ivon yet"}
+    network = fits.network(seed)
+    pyro.set_rng_seed(seed)
+    network.train()
+    predictor = baselines.ivon(
+        network.model,
+        fits.task.train_loader(seed),
+        fits.task.num_data,
+        num_steps=fits.task.num_steps,
+        net=network.net,
+        progress=False,
+        **fits.settings["ivon"],
+    )
+    network.eval()
+    pyro.set_rng_seed(seed)
+    return {"rows": {"IVON": _row(predictor, fits.task)}}
+
+
+def _sghmc(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
     draws = sghmc_chains(
         network.model,
         fits.task,
         fits.map(seed),
-        num_chains=settings["sghmc_chains"],
-        steps=max(1, round(settings["sghmc_fraction"] * fits.task.num_steps)),
+        num_chains=fits.settings["sghmc_chains"],
+        steps=max(1, round(fits.settings["sghmc_fraction"] * fits.task.num_steps)),
         seed=1000 * seed,
-        **settings["sghmc"],
+        **fits.settings["sghmc"],
     )
     return {"rows": {"SGHMC": _row(point_draws(network.model, draws), fits.task)}}
 
@@ -381,10 +499,12 @@ _METHODS = {
     "MAP": _map,
     "MCD": _mcd,
     "ENS": _ens,
+    "BBB": _bbb,
+    "BLoB": _blob,
+    "IVON": _ivon,
     "LA": _la,
     "LLLA": _llla,
     "LA-torch": _la_torch,
-    "BLoB": _blob,
     "SGHMC": _sghmc,
 }
 
@@ -392,11 +512,12 @@ _METHODS = {
 # -- results, tables and figures ---------------------------------------------------------
 
 _METRICS = ("accuracy", "ece", "nll", "brier")
+_EXTRAS = ("laplace", "blob", "skipped")
 
 
 def _summaries(cells: dict, extras: dict) -> dict:
-    """Mean +- sd over seeds of every metric; per-seed numbers, MAP's train/test gap."""
-    metrics, gap, laplace_info, wall = {}, {}, {}, {}
+    """Mean +- sd over seeds of every metric; per-seed numbers, MAP's gap, method details."""
+    metrics, gap, details, times = {}, {}, {}, {}
     for dataset, rows in cells.items():
         metrics[dataset] = {}
         for row, per_seed in rows.items():
@@ -405,11 +526,17 @@ def _summaries(cells: dict, extras: dict) -> dict:
                 name: mean_sd([per_seed[s]["metrics"][name] for s in seeds]) for name in _METRICS
             }
             metrics[dataset][row]["per_seed"] = {s: per_seed[s]["metrics"] for s in seeds}
-        for method, per_seed in extras[dataset].items():
-            wall.setdefault(dataset, {})[method] = {
-                s: e["wall_time_s"] for s, e in per_seed.items()
+    for dataset, methods in extras.items():
+        for method, per_seed in methods.items():
+            times.setdefault(dataset, {})[method] = {
+                s: {"wall": e["wall_time_s"], "cpu": e.get("cpu_time_s")}
+                for s, e in per_seed.items()
             }
-            if method == "MAP":
+            for key in _EXTRAS:
+                found = {s: e[key] for s, e in per_seed.items() if key in e}
+                if found:
+                    details.setdefault(key, {}).setdefault(dataset, {})[method] = found
+            if method == "MAP" and dataset in metrics:
                 seeds = sorted(per_seed)
                 gap[dataset] = {
                     "train": {
@@ -417,29 +544,30 @@ def _summaries(cells: dict, extras: dict) -> dict:
                     },
                     "test": {n: metrics[dataset]["MAP"][n] for n in _METRICS},
                 }
-            if any("laplace" in e for e in per_seed.values()):
-                laplace_info.setdefault(dataset, {})[method] = {
-                    s: e["laplace"] for s, e in per_seed.items() if "laplace" in e
-                }
     return {
         "metrics": metrics,
         "map_train_test": gap,
-        "laplace": laplace_info,
-        "cell_wall_time_s": wall,
+        "laplace": details.get("laplace", {}),
+        "blob": details.get("blob", {}),
+        "skipped": details.get("skipped", {}),
+        "cell_time_s": times,
     }
 
 
-def _tables(results: dict, datasets: list[str]) -> str:
-    """Markdown: one table per metric (methods x datasets), MAP's gap, LA vs laplace-torch."""
+def _tables(results: dict, datasets: list[str], experiment: Experiment) -> str:
+    """Markdown: the settings, one table per metric, MAP's gap, Laplace's choices, verdicts."""
     metrics = results["metrics"]
     rows = list(dict.fromkeys(row for dataset in datasets for row in metrics[dataset]))
-    parts = []
+    parts = [_caption(datasets, experiment)]
     for name, title in (("accuracy", "Accuracy ↑"), ("ece", "ECE ↓"), ("nll", "NLL ↓")):
         table = [
             {"method": row, **{d: metrics[d][row][name] for d in datasets if row in metrics[d]}}
             for row in rows
         ]
         parts.append(f"### {title}\n\n" + markdown_table(table, ["method", *datasets]))
+    verdicts = _verdicts(metrics, datasets)
+    if verdicts:
+        parts.append("### Against MAP (test NLL and ECE, means over seeds)\n\n" + verdicts)
     gap = [
         {"dataset": d, "split": split, **results["map_train_test"][d][split]}
         for d in datasets
@@ -452,7 +580,26 @@ def _tables(results: dict, datasets: list[str]) -> str:
             "### MAP on its training subset and on the test subset\n\n"
             + markdown_table(gap, columns)
         )
-    # laplace-torch runs on the first seed only: compare seed by seed, same checkpoint.
+    chosen = [
+        {
+            "dataset": d,
+            "method": method,
+            "seed": seed,
+            "link": info.get("link", "mc"),
+            "validation NLL": _show_scores(info.get("validation_nll")),
+            "prior precision": _show_precision(info["prior_precision"]),
+        }
+        for d in datasets
+        for method, per_seed in results["laplace"].get(d, {}).items()
+        for seed, info in per_seed.items()
+    ]
+    if chosen:
+        columns = ["dataset", "method", "seed", "link", "validation NLL", "prior precision"]
+        parts.append(
+            "### Laplace: what the recipe chose (link on validation data; prior precision "
+            "per weight tensor by the evidence: range over tensors)\n\n"
+            + markdown_table(chosen, columns)
+        )
     compared = [
         {"dataset": d, "seed": seed, "method": row, **metrics[d][row]["per_seed"][seed]}
         for d in datasets
@@ -466,11 +613,66 @@ def _tables(results: dict, datasets: list[str]) -> str:
             "### Our LA and laplace-torch's on the same MAP checkpoint\n\n"
             + markdown_table(compared, ["dataset", "seed", "method", "accuracy", "ece", "nll"])
         )
+    skipped = {m for per in results["skipped"].values() for m in per}
+    if skipped:
+        reasons = {
+            m: next(iter(per[m].values())) for per in results["skipped"].values() for m in per
+        }
+        parts.append("Not run: " + "; ".join(f"{m} ({reasons[m]})" for m in sorted(skipped)))
     return "\n\n".join(parts)
 
 
+def _caption(datasets: list[str], experiment: Experiment) -> str:
+    sizes = experiment.settings["sizes"]
+    lines = [
+        f"Seeds {', '.join(map(str, experiment.seeds))}; device {experiment.device}; "
+        f"recipe for every method: {experiment.settings['recipe']}.",
+        "",
+        markdown_table(
+            [{"dataset": d, **sizes[d]} for d in datasets],
+            ["dataset", "train", "validation", "test", "batch_size", "steps"],
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _verdicts(metrics: dict, datasets: list[str]) -> str:
+    """Per dataset, the Bayesian rows that beat MAP on both NLL and ECE, and those that do not."""
+    lines = []
+    for d in datasets:
+        if "MAP" not in metrics[d]:
+            continue
+        best = metrics[d]["MAP"]
+        better, not_better = [], []
+        for row, summary in metrics[d].items():
+            if row in ("MAP", "MLE"):
+                continue
+            wins = [summary[name]["mean"] < best[name]["mean"] for name in ("nll", "ece")]
+            (better if all(wins) else not_better).append(row)
+        lines.append(
+            f"- {d}: below MAP in NLL and ECE: {', '.join(better) or 'none'}; "
+            f"not: {', '.join(not_better) or 'none'}"
+        )
+    return "\n".join(lines)
+
+
+def _show_scores(scores) -> str:
+    if not scores:
+        return ""
+    return ", ".join(f"{link} {value:.3f}" for link, value in scores.items())
+
+
+def _show_precision(precision) -> str:
+    if isinstance(precision, dict):
+        values = [v for v in precision.values() if isinstance(v, float)]
+        return f"{min(values):.3g}-{max(values):.3g}" if values else "per entry"
+    if isinstance(precision, list):
+        return f"{min(precision):.3g}-{max(precision):.3g}"
+    return f"{precision:.3g}"
+
+
 def _diagram(rows: dict, path: Path, dataset: str) -> None:
-    """Reliability diagram of the pooled seeds for the methods of ``DIAGRAM``."""
+    """Reliability diagram of the pooled seeds, one panel per method of ``DIAGRAM``."""
     blob = [row for row in rows if row.startswith("BLoB (")]
     chosen = [row for row in DIAGRAM if row in rows] + blob[-1:]
     if not chosen:
@@ -481,4 +683,4 @@ def _diagram(rows: dict, path: Path, dataset: str) -> None:
         probs = torch.cat([torch.as_tensor(result["probs"]) for result in per_seed])
         labels = torch.cat([torch.as_tensor(result["labels"]) for result in per_seed])
         pooled[row] = (probs, labels)
-    reliability_diagram(pooled, path, title=f"{dataset} (seeds pooled)")
+    reliability_diagram(pooled, path, title=f"{dataset} (test, seeds pooled)")

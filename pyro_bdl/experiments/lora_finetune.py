@@ -1,7 +1,7 @@
-"""MiniLM + LoRA on the papers' text tasks: data, networks, fits and predictions.
+"""MiniLM + LoRA on the papers' text tasks: data, networks, the recipes, predictions.
 
 What the ``calibration`` and ``ood`` experiments share. A :class:`Task` is one dataset's
-training and test subsets as DataLoaders of MiniLM batches; a :class:`Network` is a
+training, validation and test subsets as DataLoaders of MiniLM batches; a :class:`Network` is a
 freshly initialised all-MiniLM-L6-v2 with LoRA (rank 8, alpha 16, dropout 0.1, on the
 queries and values, as Laplace-LoRA and BLoB) and a new output head, whose adapters and
 head are random weights with the prior :math:`\\mathcal{N}(0, 0.2^2)` (BLoB's
@@ -11,9 +11,19 @@ from the MAP that the MAP row evaluates. Every method predicts class probabiliti
 ``(S, B, C)``, one softmax per weight draw (:func:`pyro_bdl.predict.predict_proba`), and
 :func:`evaluate` scores their average.
 
+The recipes, one for every method of a table:
+
+- **training** (:func:`training_recipe`, BLoB's Table 3): AdamW, peak learning rate
+  5e-4, linear warm-up over 6% of the steps then linear decay to zero, the task's batch
+  size and number of steps, for MLE, MAP, MC dropout, the ensemble members, BBB and BLoB
+  alike (and IVON's steps, batch and schedule where its function takes them);
+- **Laplace** (:func:`laplace`): K-FAC GGN at the MAP, the prior precision per weight
+  tensor by the evidence, started from a fan-in-scaled prior, and the predictive's link
+  chosen on the validation subset; the test subset is only ever scored.
+
 Example::
 
-    task = Task(TaskSpec("sst2", train_size=512, test_size=256), data_dir)
+    task = Task(TaskSpec("sst2", train_size=512, test_size=256, validation_size=128), data_dir)
     network = Network(task, seed=0)
     theta_map = fine_tune_map(network, task, seed=0)
     probs, labels = predict(point_draws(network.model, [theta_map]), task.test_loader())
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -35,7 +46,13 @@ from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
 import pyro_bdl as bdl
-from pyro_bdl.data import ClassificationCollator, MultipleChoiceCollator, load, make_loader
+from pyro_bdl.data import (
+    ClassificationCollator,
+    MultipleChoiceCollator,
+    RecordDataset,
+    load,
+    make_loader,
+)
 from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines
 from pyro_bdl.metrics import summarize
 from pyro_bdl.models import BayesianNet, LoRAModel, lora_model
@@ -46,6 +63,9 @@ __all__ = [
     "PRIOR_SCALE",
     "LEARNING_RATE",
     "WEIGHT_DECAY",
+    "SCHEDULE",
+    "WARMUP_RATIO",
+    "training_recipe",
     "minilm_tokenizer",
     "TaskSpec",
     "Task",
@@ -69,10 +89,16 @@ LORA = {"rank": 8, "alpha": 16, "dropout": 0.1}
 PRIOR_SCALE = 0.2
 #: AdamW as in the papers' LoRA fine-tuning (BLoB Table 3: lr 5e-4 for RoBERTa).
 LEARNING_RATE = 5e-4
+#: BLoB Table 3: linear warm-up over this fraction of the steps, then linear decay to zero.
+SCHEDULE, WARMUP_RATIO = "linear", 0.06
 #: Examples per batch when predicting.
 EVAL_BATCH_SIZE = 32
 #: BLoB's MAP: AdamW's decoupled weight decay.
 WEIGHT_DECAY = 1e-5
+#: The fan-in-scaled prior the Laplace recipe starts its per-site evidence tuning from.
+LAPLACE_PRIOR = bdl.priors.LayerwiseNormal.fan_in(gain=1.0)
+#: The links :func:`laplace` chooses from on the validation subset.
+LINKS = ("mc", "probit", "bridge")
 
 
 @dataclass(frozen=True)
@@ -86,6 +112,13 @@ class TaskSpec:
     :param int max_length: tokens per sequence (per question-choice pair).
     :param int batch_size: examples per minibatch.
     :param int epochs: passes over the training subset of every fine-tune.
+    :param int steps: the steps of every fine-tune, instead of ``epochs`` (the papers
+        train for a number of steps, e.g. BLoB's 5,000).
+    :param int validation_size: validation examples, for the choices made on held-out data
+        (a seeded part of the held-out file, disjoint from the test examples; None: all
+        that ``validation_split`` holds).
+    :param str validation_split: the dataset's own validation split (OpenBookQA's
+        ``"validation"``), instead of a part of the held-out file.
     """
 
     dataset: str
@@ -94,18 +127,23 @@ class TaskSpec:
     max_length: int = 64
     batch_size: int = 32
     epochs: int = 10
+    steps: int | None = None
+    validation_size: int | None = 0
+    validation_split: str | None = None
 
     def asdict(self) -> dict:
         return asdict(self)
 
 
 class Task:
-    """One dataset's training and test subsets as DataLoaders of MiniLM batches.
+    """One dataset's training, validation and test subsets as DataLoaders of MiniLM batches.
 
-    The subsets are the same for every seed (seed 0 of :func:`pyro_bdl.data.load`), so
-    that the spread over seeds is the methods' own. BoolQ's test examples come from its
-    validation file, split by :func:`~pyro_bdl.data.load`; WinoGrande's are its dev set,
-    SST-2's its GLUE dev set. ARC keeps the 4-choice questions.
+    The subsets are the same for every seed (seed 0), so that the spread over seeds is the
+    methods' own. The held-out examples are those of :func:`pyro_bdl.data.load`'s test
+    split (BoolQ: a part of its validation file; WinoGrande: its dev set; SST-2: its GLUE
+    dev set); a seeded permutation of them gives the validation examples first and the
+    test examples after, so the two never share an example (unless ``validation_split``
+    names the dataset's own validation file). ARC keeps the 4-choice questions.
 
     :param TaskSpec spec: the sizes and training length.
     :param data_dir: the folder holding the datasets.
@@ -116,7 +154,23 @@ class Task:
         self.spec = spec
         options = {"num_choices": 4} if spec.dataset.startswith("arc") else {}
         self.train = load(spec.dataset, data_dir, "train", limit=spec.train_size, **options)
-        self.test = load(spec.dataset, data_dir, "test", limit=spec.test_size, **options)
+        held_out = load(spec.dataset, data_dir, "test", **options)
+        order = random.Random(0).sample(range(len(held_out)), len(held_out))
+        if spec.validation_split is None:
+            cut = spec.validation_size or 0
+            if cut >= len(held_out):
+                raise ValueError(
+                    f"{spec.dataset}: validation_size={cut} leaves no test example of the "
+                    f"{len(held_out)} held out"
+                )
+            validation, order = order[:cut], order[cut:]
+            self.validation = RecordDataset([held_out[i] for i in sorted(validation)])
+        else:
+            self.validation = load(spec.dataset, data_dir, spec.validation_split, **options)
+            if spec.validation_size is not None:
+                self.validation = self.validation.subset(spec.validation_size, seed=0)
+        chosen = order if spec.test_size is None else order[: spec.test_size]
+        self.test = RecordDataset([held_out[i] for i in sorted(chosen)])
         self.multiple_choice = "choices" in self.train[0]
         self.num_classes = len(self.train[0]["choices"]) if self.multiple_choice else 2
         self.tokenizer = tokenizer if tokenizer is not None else minilm_tokenizer()
@@ -132,9 +186,16 @@ class Task:
         return len(self.train)
 
     @property
+    def steps_per_epoch(self) -> int:
+        """Minibatches per pass over the training subset."""
+        return -(-self.num_data // self.spec.batch_size)
+
+    @property
     def num_steps(self) -> int:
-        """Minibatch steps of one fine-tune: ``epochs`` passes over the training subset."""
-        return self.spec.epochs * -(-self.num_data // self.spec.batch_size)
+        """Minibatch steps of one fine-tune: ``steps``, or ``epochs`` passes."""
+        if self.spec.steps is not None:
+            return self.spec.steps
+        return self.spec.epochs * self.steps_per_epoch
 
     def train_loader(self, seed: int) -> DataLoader:
         """Shuffled minibatches of similar lengths (less padding, the same examples).
@@ -158,6 +219,25 @@ class Task:
     def test_loader(self) -> DataLoader:
         """Batches of the test subset."""
         return self.eval_loader(self.test)
+
+    def validation_loader(self) -> DataLoader:
+        """Batches of the validation subset (for the choices made on held-out data)."""
+        if not len(self.validation):
+            raise ValueError(
+                f"{self.spec.dataset}: the task has no validation examples; give its TaskSpec "
+                "a validation_size"
+            )
+        return self.eval_loader(self.validation)
+
+    def sizes(self) -> dict[str, int]:
+        """Examples in each subset and the steps of one fine-tune, for the reports."""
+        return {
+            "train": self.num_data,
+            "validation": len(self.validation),
+            "test": len(self.test),
+            "batch_size": self.spec.batch_size,
+            "steps": self.num_steps,
+        }
 
 
 def _lengths(records) -> list[int]:
@@ -221,14 +301,16 @@ class Network:
 
     :param Task task: the task (classification or multiple choice).
     :param int seed: the seed of the initialisation.
+    :param device: where the network lives (batches are moved there by the model).
     :ivar LoRAModel lora: the :func:`~pyro_bdl.models.lora_model`.
     :ivar torch.nn.Module module: the network the Pyro model runs.
     :ivar net: the lifted network (adapters and head random).
     :ivar BayesianNet model: the Pyro model ``model(batch, num_data)``.
     """
 
-    def __init__(self, task: Task, seed: int):
+    def __init__(self, task: Task, seed: int, device: str | torch.device = "cpu"):
         torch.manual_seed(seed)
+        self.device = torch.device(device)
         with _quiet():
             self.lora: LoRAModel = lora_model(
                 "minilm",
@@ -237,6 +319,7 @@ class Network:
                 tokenizer=task.tokenizer,
                 **LORA,
             )
+        self.lora.peft_model.to(self.device)
         if task.multiple_choice:
             self.module = ChoiceByChoice(self.lora.peft_model)
             self.model = self.lifted(lambda name, p: "lora_" in name or _is_head(name))
@@ -314,25 +397,44 @@ def single_thread() -> Iterator[None]:
 # -- fits ------------------------------------------------------------------------------
 
 
-def checkpoint(path: Path, compute: Callable[[], dict[str, torch.Tensor]]) -> dict:
-    """Site values saved at ``path`` (a ``.pt`` file), computed once.
+def training_recipe(task: Task) -> dict:
+    """The keyword arguments of every fine-tune of ``task`` (BLoB's Table 3).
+
+    The same optimiser (AdamW at peak learning rate 5e-4), schedule (linear warm-up over
+    6% of the steps, then linear decay to zero), number of steps and batch size (the
+    task's) for every method of a table: pass them to any function of
+    :mod:`pyro_bdl.inference.baselines`.
+    """
+    return {
+        "num_steps": task.num_steps,
+        "lr": LEARNING_RATE,
+        "schedule": SCHEDULE,
+        "warmup_ratio": WARMUP_RATIO,
+    }
+
+
+def checkpoint(
+    path: Path,
+    compute: Callable[[], dict[str, torch.Tensor]],
+    device: str | torch.device = "cpu",
+) -> dict:
+    """Site values saved at ``path`` (a ``.pt`` file), computed once, loaded to ``device``.
 
     Fine-tunes are the expensive part of every cell; Laplace, SGHMC, MC dropout and the
-    MLE row reuse them from disk.
+    MLE row reuse them from disk. The file holds CPU tensors, whatever the device.
     """
     path = Path(path)
-    if path.exists():
-        return torch.load(path)
-    values = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
-    torch.save(values, partial)
-    partial.replace(path)
-    return values
+    if not path.exists():
+        values = {site: value.detach().cpu() for site, value in compute().items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".tmp")
+        torch.save(values, partial)
+        partial.replace(path)
+    return torch.load(path, map_location=device, weights_only=True)
 
 
 def fine_tune_map(network: Network, task: Task, seed: int) -> dict[str, torch.Tensor]:
-    """The MAP row's LoRA fine-tuning: AdamW with weight decay 1e-5, dropout on.
+    """The MAP row's LoRA fine-tuning: the training recipe with weight decay 1e-5, dropout on.
 
     :func:`~pyro_bdl.inference.baselines.map_estimate`, BLoB's MAP: the decoupled decay
     stands for the prior, as in the papers. (The MAP of the lifted prior itself, by Adam
@@ -347,11 +449,10 @@ def fine_tune_map(network: Network, task: Task, seed: int) -> dict[str, torch.Te
             network.model,
             task.train_loader(seed),
             task.num_data,
-            num_steps=task.num_steps,
             net=network.net,
-            lr=LEARNING_RATE,
             weight_decay=WEIGHT_DECAY,
             progress=False,
+            **training_recipe(task),
         )
     finally:
         network.eval()
@@ -421,20 +522,43 @@ def sghmc_chains(
 
 
 def laplace(
-    model: Callable,
+    model: BayesianNet,
     task: Task,
     theta_map: Mapping[str, torch.Tensor],
     marglik_steps: int,
-) -> LaplaceGuide:
-    """K-FAC GGN Laplace at ``theta_map`` with the evidence-maximising prior precision.
+    links: Sequence[str] = LINKS,
+) -> tuple[LaplaceGuide, dict]:
+    """The Laplace recipe at ``theta_map``: K-FAC GGN, per-site evidence, link on validation.
 
-    Laplace-LoRA's recipe: one pass over the training subset for the curvature, then
-    Adam (lr 0.1) on the log prior precision (one scalar) to maximise eq. 13.
+    One pass over the training subset for the curvature (dropout off); the prior precision
+    of every weight tensor maximises the evidence (eq. 13), Adam on its log (lr 0.1) from
+    the fan-in-scaled prior :data:`LAPLACE_PRIOR`; then the link of the linearised
+    predictive with the lowest NLL on the validation subset.
+
+    :param BayesianNet model: the model (its network's prior is the fan-in prior for the
+        duration of the fit).
+    :param links: the candidate links (one: no choice, no validation pass).
+    :return: the fitted guide and what was chosen: ``prior_precision`` per site, the
+        ``log_marginal_likelihood``, the ``link`` and each link's ``validation_nll``.
     """
     guide = LaplaceGuide(model, curvature="kron")
-    guide.fit(task.train_loader(0), task.num_data, map=dict(theta_map), progress=False)
+    previous, model.net.prior = model.net.prior, LAPLACE_PRIOR
+    try:
+        guide.fit(task.train_loader(0), task.num_data, map=dict(theta_map), progress=False)
+    finally:
+        model.net.prior = previous
     guide.optimize_prior_precision("marglik", num_steps=marglik_steps)
-    return guide
+    if len(links) == 1:
+        link, scores = links[0], None
+    else:
+        link, scores = guide.select_link(task.validation_loader(), None, links=tuple(links))
+    info = guide.hyperparameters()
+    return guide, {
+        "prior_precision": info["prior_precision"],
+        "log_marginal_likelihood": info["log_marginal_likelihood"],
+        "link": link,
+        "validation_nll": scores,
+    }
 
 
 # -- predictions -------------------------------------------------------------------------
@@ -449,13 +573,17 @@ def point_draws(model: Callable, fits: Sequence[Mapping[str, torch.Tensor]]) -> 
     return lambda batch: predict_proba(model, batch, samples=samples)
 
 
-def laplace_draws(guide: LaplaceGuide, num_samples: int, seed: int) -> Draws:
-    """Class probabilities of the linearised predictive's joint logit draws, ``(S, B, C)``.
+def laplace_draws(guide: LaplaceGuide, num_samples: int, seed: int, link: str = "mc") -> Draws:
+    """Class probabilities of the linearised predictive, ``(S, B, C)``.
 
-    ``num_data=None``: the likelihood's scale plays no part in the logits, and a test
-    batch may hold more examples than the training set (ARC-Easy: 16).
+    ``"mc"`` gives its ``num_samples`` joint logit draws; ``"probit"`` and ``"bridge"``
+    one row of closed-form probabilities (no epistemic split). ``num_data=None``: the
+    likelihood's scale plays no part in the logits.
     """
-    generator = torch.Generator().manual_seed(seed)
+    like = next(iter(guide.median().values()))
+    generator = torch.Generator(device=like.device).manual_seed(seed)
+    if link != "mc":
+        return lambda batch: guide.predictive(batch, None, link=link).unsqueeze(0)
     return lambda batch: guide.predictive(
         batch,
         None,
@@ -470,7 +598,7 @@ def predict(draws: Draws, loader: DataLoader) -> tuple[torch.Tensor, torch.Tenso
     """Class probabilities ``(S, N, C)`` over a loader's batches, and the labels ``(N,)``."""
     probs, labels = [], []
     for batch in loader:
-        probs.append(draws(batch))
+        probs.append(draws(batch).detach().cpu())
         labels.append(batch["labels"])
     return torch.cat(probs, dim=1), torch.cat(labels)
 

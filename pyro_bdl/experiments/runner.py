@@ -4,7 +4,8 @@ An experiment is a grid of *cells* (dataset x method x seed, or whatever its axe
 are). Each finished cell is written to ``<out>/cells/<key>.json`` as soon as it is done,
 so an interrupted run resumes where it stopped and ``--datasets`` / ``--methods`` can
 restrict a run without losing the rest. ``results.json`` gathers every number, the
-settings, the library version and the wall time.
+settings (with the sizes of every subset), the device, the library version and the wall
+time; each cell records its own wall and CPU time.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 import pyro_bdl
 
-__all__ = ["Experiment", "markdown_table", "mean_sd"]
+__all__ = ["Experiment", "markdown_table", "mean_sd", "resolve_device", "describe_device"]
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Experiment:
     :param seeds: seeds to run.
     :param datasets: restrict to these datasets (None: all).
     :param methods: restrict to these methods (None: all).
+    :param str device: where the networks run (``"cpu"``, ``"cuda"``, ``"cuda:1"``); the
+        experiments that have them use their full-size settings on a GPU.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Experiment:
     seeds: Sequence[int] = (0, 1, 2)
     datasets: Sequence[str] | None = None
     methods: Sequence[str] | None = None
+    device: str = "cpu"
     settings: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
@@ -57,8 +61,14 @@ class Experiment:
                 f"--data-dir: {self.data_dir} is not a directory; pass the folder that holds "
                 "the datasets (e.g. ../shared/data)"
             )
+        self.device = resolve_device(self.device)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "cells").mkdir(exist_ok=True)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the networks run on a GPU (the full-size settings)."""
+        return self.device.type == "cuda"
 
     def selected(self, kind: str, names: Iterable[str]) -> list[str]:
         """The names of ``kind`` ("datasets" or "methods") this run covers, checked."""
@@ -80,9 +90,13 @@ class Experiment:
         path = self.out / "cells" / (_slug("__".join(map(str, key))) + ".json")
         if path.exists():
             return json.loads(path.read_text())
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         result = compute()
-        result = {**result, "wall_time_s": time.perf_counter() - started}
+        result = {
+            **result,
+            "wall_time_s": time.perf_counter() - started,
+            "cpu_time_s": time.process_time() - cpu_started,
+        }
         partial = path.with_suffix(".tmp")
         partial.write_text(json.dumps(_plain(result), indent=1))
         partial.replace(path)
@@ -99,11 +113,34 @@ class Experiment:
             "library_version": pyro_bdl.__version__,
             "torch_version": torch.__version__,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "device": describe_device(self.device),
             "wall_time_s": time.perf_counter() - self.started,
         }
         path = self.out / "results.json"
         path.write_text(json.dumps(_plain(payload), indent=2))
         return path
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, checked to exist on this machine."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"--device must name a torch device (cpu, cuda, cuda:1), got {device!r}"
+        ) from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    return resolved
+
+
+def describe_device(device: torch.device) -> str:
+    """The device in words, for the reports: the GPU's name, or the CPU's cores."""
+    if device.type == "cuda":
+        return f"{device}: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {platform.machine()}, {os.cpu_count()} cores"
 
 
 def mean_sd(values: Sequence[float]) -> dict[str, float]:

