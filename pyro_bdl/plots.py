@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from pyro_bdl.metrics import ReliabilityCurve, auroc, reliability_curve
 
@@ -32,11 +34,15 @@ def reliability_diagram(
     path: str | os.PathLike,
     title: str | None = None,
     num_bins: int = 15,
+    min_count: int = 10,
 ) -> Path:
-    """Draw accuracy against confidence per bin, one curve per method, above the bin counts.
+    """Draw one reliability panel per method: accuracy against confidence, bin by bin.
 
-    The diagonal is perfect calibration; each method's ECE is in the legend. The lower panel
-    shows how many predictions fall in each confidence bin.
+    Each panel shows the accuracy of every confidence bin as a bar beside the diagonal of
+    perfect calibration, the method's ECE and number of predictions in its title, and
+    below it how many predictions fall in each bin (log scale). Bins with fewer than
+    ``min_count`` predictions are drawn hatched and pale: their accuracy is too noisy to
+    read. The panels share their axes, so methods compare at a glance.
 
     Example::
 
@@ -53,6 +59,7 @@ def reliability_diagram(
     :type path: str or os.PathLike
     :param str title: figure title.
     :param int num_bins: confidence bins for entries given as ``(probs, labels)``.
+    :param int min_count: bins with fewer predictions are drawn as unreliable.
     :returns: the path written.
     :rtype: pathlib.Path
     """
@@ -61,23 +68,83 @@ def reliability_diagram(
         for name, value in _nonempty(results, "results", "(probs, labels) or a ReliabilityCurve")
     }
     path = _png_path(path)
-    fig = Figure(figsize=(_PANEL_SIZE, 1.5 * _PANEL_SIZE), dpi=_DPI, layout="constrained")
-    curve_ax, count_ax = fig.subplots(2, 1, sharex=True, height_ratios=(3, 1))
-    curve_ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="calibrated")
-    for name, curve in curves.items():
-        filled = curve.count > 0
-        line = curve_ax.plot(
-            curve.confidence[filled].numpy(),
-            curve.accuracy[filled].numpy(),
-            marker="o",
-            label=f"{name} (ECE {curve.ece:.3f})",
-        )[0]
-        count_ax.stairs(curve.count.numpy(), curve.bin_edges.numpy(), color=line.get_color())
-    curve_ax.set(xlim=(0, 1), ylim=(0, 1), ylabel="accuracy", title=title)
-    curve_ax.legend(loc="upper left", fontsize="small")
-    count_ax.set(xlabel="confidence", ylabel="count")
+    columns = min(len(curves), 3 if len(curves) <= 6 else 4)
+    rows = -(-len(curves) // columns)
+    fig = Figure(
+        figsize=(0.8 * _PANEL_SIZE * columns, 1.1 * _PANEL_SIZE * rows),
+        dpi=_DPI,
+        layout="constrained",
+    )
+    grid = fig.add_gridspec(2 * rows, columns, height_ratios=(3, 1) * rows)
+    for index, (name, curve) in enumerate(curves.items()):
+        row, column = divmod(index, columns)
+        curve_ax = fig.add_subplot(grid[2 * row, column])
+        count_ax = fig.add_subplot(grid[2 * row + 1, column], sharex=curve_ax)
+        _reliability_panel(curve_ax, count_ax, name, curve, min_count)
+        if column:
+            curve_ax.tick_params(labelleft=False)
+        else:
+            curve_ax.set_ylabel("accuracy")
+            count_ax.set_ylabel("count")
+    if title:
+        fig.suptitle(title)
+    fig.legend(handles=_reliability_legend(min_count), loc="outside lower center", ncols=3)
     fig.savefig(path, format="png")
     return path
+
+
+_BAR_COLOUR = "tab:blue"
+
+
+def _reliability_legend(min_count: int) -> list:
+    return [
+        Line2D([], [], color="grey", linestyle="--", linewidth=1, label="calibrated"),
+        Patch(
+            color=_BAR_COLOUR, label=f"accuracy of a confidence bin (>= {min_count} predictions)"
+        ),
+        Patch(
+            facecolor="none",
+            edgecolor=_BAR_COLOUR,
+            hatch="///",
+            alpha=0.5,
+            label=f"bin with < {min_count} predictions",
+        ),
+    ]
+
+
+def _reliability_panel(curve_ax, count_ax, name, curve, min_count) -> None:
+    edges = curve.bin_edges.numpy()
+    left, width = edges[:-1], np.diff(edges)
+    count = curve.count.numpy()
+    accuracy = np.nan_to_num(curve.accuracy.numpy())
+    solid, sparse = count >= min_count, (count > 0) & (count < min_count)
+    colour = _BAR_COLOUR
+    curve_ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1)
+    curve_ax.bar(
+        left[solid],
+        accuracy[solid],
+        width[solid],
+        align="edge",
+        color=colour,
+        edgecolor="white",
+    )
+    curve_ax.bar(
+        left[sparse],
+        accuracy[sparse],
+        width[sparse],
+        align="edge",
+        facecolor="none",
+        edgecolor=colour,
+        hatch="///",
+        alpha=0.5,
+    )
+    total = int(count.sum())
+    curve_ax.set(xlim=(0, 1), ylim=(0, 1), title=f"{name}\nECE {curve.ece:.3f}, n = {total}")
+    curve_ax.title.set_fontsize("medium")
+    curve_ax.tick_params(labelbottom=False)
+    count_ax.bar(left[count > 0], count[count > 0], width[count > 0], align="edge", color=colour)
+    count_ax.axhline(min_count, color="grey", linewidth=0.8, linestyle=":")
+    count_ax.set(yscale="log", xlabel="confidence", ylim=(0.8, max(2.0, total) * 1.5))
 
 
 def plot_uncertainty_histograms(

@@ -57,3 +57,31 @@ def test_bad_input_is_rejected(tmp_path, classification):
     with pytest.raises(ValueError, match="two non-empty 1-D arrays"):
         plots.plot_uncertainty_histograms({"eu": (np.ones(3), np.ones((2, 2)))}, tmp_path / "o.png")
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_reliability_diagram_draws_one_panel_per_method_and_marks_sparse_bins(
+    tmp_path, classification, monkeypatch
+):
+    """Two axes (accuracy, counts) per method; a bin with few predictions is hatched."""
+    from matplotlib.figure import Figure
+
+    probs, labels = classification
+    drawn = {}
+    save = Figure.savefig
+
+    def keep(figure, *args, **kwargs):
+        drawn["figure"] = figure
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    results = {name: (probs, labels) for name in ("MAP", "LA", "BLoB", "ENS", "SGHMC")}
+    assert_png(plots.reliability_diagram(results, tmp_path / "rel.png", min_count=10))
+    axes = drawn["figure"].axes
+    assert len(axes) == 2 * len(results)
+    titles = [ax.get_title() for ax in axes[::2]]
+    curve = metrics.reliability_curve(probs, labels)
+    assert titles[0] == f"MAP\nECE {curve.ece:.3f}, n = 200"
+    sparse = int(((curve.count > 0) & (curve.count < 10)).sum())
+    assert sparse > 0  # the toy data have sparse bins
+    hatched = [patch for patch in axes[0].patches if patch.get_hatch() == "///"]
+    assert len(hatched) == sparse
