@@ -20,6 +20,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import NullLocator
 
 from pyro_bdl.metrics import ReliabilityCurve, auroc, reliability_curve
 
@@ -145,6 +146,7 @@ def _reliability_panel(curve_ax, count_ax, name, curve, min_count) -> None:
     count_ax.bar(left[count > 0], count[count > 0], width[count > 0], align="edge", color=colour)
     count_ax.axhline(min_count, color="grey", linewidth=0.8, linestyle=":")
     count_ax.set(yscale="log", xlabel="confidence", ylim=(0.8, max(2.0, total) * 1.5))
+    count_ax.yaxis.set_minor_locator(NullLocator())  # log-scale minor ticks: seconds of layout
 
 
 def plot_uncertainty_histograms(
