@@ -79,11 +79,11 @@ def maximise_evidence(
 ) -> dict[str, torch.Tensor]:
     """Adam on :math:`\\log\\delta`, one scalar per group of sites.
 
-    With ``sizes``, Adam stops before ``num_steps`` once every group's gradient is below
-    :data:`STOPPING_TOLERANCE` times :math:`d_g / 2`, and a group whose gradient :math:`\\partial \\log p(\\mathcal{D}) /
-    \\partial \\log\\delta_g` after the last step exceeds
-    :data:`CONVERGENCE_TOLERANCE` times :math:`d_g / 2` gets a warning naming it: the
-    prior precision is not at the evidence's maximum yet.
+    With ``sizes``, the gradient :math:`\\partial \\log p(\\mathcal{D}) / \\partial
+    \\log\\delta_g` of each group is compared with its scale :math:`d_g / 2`: Adam stops
+    before ``num_steps`` once every ratio is below :data:`STOPPING_TOLERANCE`, and a group
+    whose ratio after the last step exceeds :data:`CONVERGENCE_TOLERANCE` gets a warning
+    naming it (the prior precision is not at the evidence's maximum yet).
 
     :param callable evidence: prior precision (site -> tensor) -> log evidence.
     :param dict groups: group name -> the sites sharing one :math:`\\delta`.
