@@ -39,6 +39,11 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     for row in rows:
         if row["method"] in ("MAP", "MLE"):
             assert 0 <= row["train_accuracy"] <= 1 and row["train_nll"] > 0
+    # The temperature acts on VI's learned scales: colder, narrower (moved from the start).
+    vi = {row["temperature"]: row["vi_scale"] for row in rows if row["method"] == "VI"}
+    assert all(scale["initial"] == pytest.approx(math.exp(-3)) for scale in vi.values())
+    assert vi[min(TEMPERATURES)]["mean"] < vi[max(TEMPERATURES)]["mean"]
+    assert vi[max(TEMPERATURES)]["mean"] != pytest.approx(math.exp(-3), rel=1e-3)
 
     assert len(results["summary"]) == len(expected)
     for entry in results["summary"]:
