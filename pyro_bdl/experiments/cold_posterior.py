@@ -58,8 +58,9 @@ their last 100 words), batch size 32, and
 Seeds change the initialisation, the minibatch order and the sampling noise, not the data
 subset. With ``--device cuda`` the run uses all 25,000 training reviews, 5,000 test
 reviews and longer runs (``SETTINGS["gpu"]``). Torch runs on one thread: on two cores
-shared with other jobs, two threads spin-wait for each other. ``--quick`` (CI) uses 128 training and 128 test reviews, a
-1,000-word vocabulary, one epoch for everything, pools of 2 chains and 3 weight draws.
+shared with other jobs, two threads spin-wait for each other. ``--quick`` (CI) uses 128
+training and 128 test reviews, a 1,000-word vocabulary, one epoch for everything, pools
+of 2 chains and 3 weight draws.
 
 **References**
 

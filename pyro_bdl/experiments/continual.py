@@ -48,7 +48,8 @@ in the paper), and every book is tested on its first 8,192 held-out tokens. The 
 episode's prior is :math:`\mathcal{N}(0, 100^2)` on every weight, nearly flat as in the
 paper's configuration, so that Laplace's first episode is online AdamW's; the Laplace
 posterior is untempered (:math:`T = 1`, the Bayesian update; the paper multiplies the
-Fisher by :math:`\lambda = 100`). Seeds change the minibatch order. ``--quick`` (CI)
+Fisher by :math:`\lambda = 100`). Seeds change the minibatch order. ``--device cuda``
+runs the same sizes on a GPU. ``--quick`` (CI)
 uses two books, 2,048 training and 512 test tokens each, a 512-id vocabulary, a
 one-layer network and one epoch.
 
@@ -261,7 +262,7 @@ class _Runner:
         )
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            module = LlamaForCausalLM(config)
+            module = LlamaForCausalLM(config).to(self.experiment.device)
         for param in module.parameters():
             # RMSNorm gains stay at 1: every other weight is a matrix with a prior.
             param.requires_grad_(param.dim() > 1)
@@ -297,7 +298,7 @@ class _Runner:
         """The network pretrained on the base corpus, where every method starts (cached)."""
         path = self.checkpoints / "base.pt"
         if path.exists():
-            return torch.load(path)
+            return torch.load(path, map_location=self.experiment.device, weights_only=True)
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
         loader = make_loader(
@@ -379,7 +380,7 @@ class _Runner:
                 f"delete {self.experiment.out / 'cells'} entries of {method} to recompute them"
             )
         # The Laplace prior is a plain Python object (LaplacePrior), not only tensors.
-        return torch.load(path, weights_only=False)
+        return torch.load(path, map_location=self.experiment.device, weights_only=False)
 
     def test_losses(self, model: BayesianNet, values: Mapping[str, torch.Tensor]) -> dict:
         """Mean negative log likelihood per token of every book's held-out text."""
