@@ -9,6 +9,7 @@ from pyro_bdl.experiments.lora_finetune import (
     TaskSpec,
     checkpoint,
     lora_dropout,
+    training_recipe,
 )
 from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.inference.laplace.curvature.kron import KronBlock
@@ -84,3 +85,39 @@ def test_lora_dropout_switches_only_the_adapters_dropout(shared_data):
         on = {name for name, module in modules.items() if module.training}
         assert on and all("lora_dropout" in name for name in on)
     assert not any(module.training for module in modules.values())
+
+
+def test_validation_and_test_subsets_are_disjoint_parts_of_the_held_out_file(shared_data):
+    task = Task(TaskSpec("sst2", 8, 30, validation_size=20), shared_data)
+    validation = {record["text"] for record in task.validation}
+    test = {record["text"] for record in task.test}
+    assert len(task.validation) == 20 and len(task.test) == 30 and not validation & test
+    assert task.sizes() == {
+        "train": 8,
+        "validation": 20,
+        "test": 30,
+        "batch_size": 32,
+        "steps": 10,
+    }
+    again = Task(TaskSpec("sst2", 8, 30, validation_size=20), shared_data)
+    assert [r["text"] for r in again.validation] == [r["text"] for r in task.validation]
+    own = Task(
+        TaskSpec("obqa", 8, 10, validation_size=5, validation_split="validation"), shared_data
+    )
+    assert len(own.validation) == 5 and len(own.test) == 10
+    with pytest.raises(ValueError, match="no validation examples"):
+        Task(TaskSpec("sst2", 8, 8), shared_data).validation_loader()
+    with pytest.raises(ValueError, match="leaves no test example"):
+        Task(TaskSpec("sst2", 8, 8, validation_size=10_000), shared_data)
+
+
+def test_every_method_gets_the_same_training_recipe(shared_data):
+    task = Task(TaskSpec("sst2", 40, 8, batch_size=8, epochs=3), shared_data)
+    assert training_recipe(task) == {
+        "num_steps": 15,
+        "lr": 5e-4,
+        "schedule": "linear",
+        "warmup_ratio": 0.06,
+    }
+    fixed = Task(TaskSpec("sst2", 40, 8, batch_size=8, steps=7), shared_data)
+    assert training_recipe(fixed)["num_steps"] == 7
