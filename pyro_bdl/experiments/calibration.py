@@ -23,8 +23,9 @@ methods:
 - **BLoB**: :func:`~pyro_bdl.inference.baselines.blob` with the paper's RoBERTa settings
   (Table 4), both its optimisers on the recipe's schedule; the mean weights (N = 0) and
   N = 5 and 10 draws.
-- **IVON**: :func:`~pyro_bdl.inference.baselines.ivon` where the library has it, with
-  the recipe's steps and batch size (its own optimiser), 10 draws.
+- **IVON**: :func:`~pyro_bdl.inference.baselines.ivon` on every LoRA weight and the
+  head, with the recipe's steps, batch size and schedule (its own optimiser and learning
+  rate, ``ivon-opt``'s defaults otherwise), 10 draws.
 - **LA**: the Laplace recipe (:func:`~pyro_bdl.experiments.lora_finetune.laplace`):
   K-FAC GGN on every LoRA weight and the head at the MAP, one prior precision per weight
   tensor maximising the evidence from a fan-in-scaled prior, the predictive's link chosen
@@ -154,9 +155,9 @@ METHOD = {
     "blob_samples": (5, 10),
     "blob": {"kl_lr": 0.002, "eps": 0.05, "prior_std": PRIOR_SCALE},
     "bbb_samples": 10,
-    # IVON's own hyperparameters (its learning rate is not AdamW's); the recipe gives it
-    # the steps and the batch size.
-    "ivon": {"num_samples": 10},
+    # IVON's own hyperparameters (its learning rate is not AdamW's: ivon-opt's default);
+    # the recipe gives it the steps, the batch size and the schedule.
+    "ivon": {"num_samples": 10, "lr": 0.1},
     "sghmc_chains": 4,
     "sghmc_fraction": 0.1,
     "sghmc": {"step_size": 0.03, "friction": 1.0, "temperature": 1.0},
@@ -167,7 +168,7 @@ QUICK_METHOD = {
     "laplace_samples": 20,
     "blob_samples": (2, 3),
     "bbb_samples": 3,
-    "ivon": {"num_samples": 3},
+    "ivon": {"num_samples": 3, "lr": 0.1},
     "sghmc_chains": 2,
 }
 #: Methods drawn in the reliability diagrams (with the BLoB row of most draws).
@@ -477,19 +478,20 @@ def _scales(guide_params: dict) -> dict[str, float]:
 
 
 def _ivon(fits: _Fits, seed: int) -> dict:
-    if not hasattr(baselines, "ivon"):
-        return {"rows": {}, "skipped": "pyro_bdl.inference.baselines has no ivon yet"}
+    """IVON on every LoRA weight and the head: the recipe's steps, batch and schedule."""
     network = fits.network(seed)
     pyro.set_rng_seed(seed)
     network.train()
+    recipe = training_recipe(fits.task)
+    del recipe["lr"]  # IVON's learning rate is its own (METHOD["ivon"])
     predictor = baselines.ivon(
         network.model,
         fits.task.train_loader(seed),
         fits.task.num_data,
-        num_steps=fits.task.num_steps,
         net=network.net,
         progress=False,
         **fits.settings["ivon"],
+        **recipe,
     )
     network.eval()
     pyro.set_rng_seed(seed)

