@@ -242,8 +242,8 @@ _DRAWS = {
 
 
 def _auroc(cell: dict, score: str) -> float:
-    english = torch.as_tensor(cell["english"][score])
-    samoan = torch.as_tensor(cell["samoan"][score])
+    english = torch.as_tensor(cell["english"][score], dtype=torch.float64)
+    samoan = torch.as_tensor(cell["samoan"][score], dtype=torch.float64)
     is_samoan = torch.cat([torch.zeros(len(english)), torch.ones(len(samoan))])
     return auroc(torch.cat([english, samoan]), is_samoan)
 

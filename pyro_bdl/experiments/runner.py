@@ -97,10 +97,12 @@ class Experiment:
             "wall_time_s": time.perf_counter() - started,
             "cpu_time_s": time.process_time() - cpu_started,
         }
+        text = json.dumps(_plain(result), indent=1)
         partial = path.with_suffix(".tmp")
-        partial.write_text(json.dumps(_plain(result), indent=1))
+        partial.write_text(text)
         partial.replace(path)
-        return result
+        # What a resumed run reads back, so that both runs compute the same from it.
+        return json.loads(text)
 
     def write_results(self, results: dict) -> Path:
         """Write ``results.json``: the numbers, settings, version and wall time."""
