@@ -1,10 +1,13 @@
 import json
 
+import pytest
+
 import xarray as xr
 
 from pyro_bdl.cli import main
 
 
+@pytest.mark.slow
 def test_quick_demo_writes_its_results(tmp_path, capsys, shared_data):
     main(["demo", "--out", str(tmp_path), "--quick", "--data-dir", str(shared_data)])
     printed = capsys.readouterr().out
