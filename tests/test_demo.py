@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 import xarray as xr
 
 from pyro_bdl.cli import main
