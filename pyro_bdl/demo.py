@@ -284,7 +284,7 @@ def _lora_section(data_dir: Path, settings: DemoSettings, seed: int, out: Path) 
     plots.reliability_diagram(
         curves,
         out / "reliability_lora.png",
-        title=f"MiniLM + LoRA on {num_data} SST-2 sentences: {len(labels)} test sentences",
+        title=f"MiniLM + LoRA fine-tuned on {num_data} SST-2 sentences, {len(labels)} test",
     )
     return results
 
