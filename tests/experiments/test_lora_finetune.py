@@ -41,7 +41,13 @@ def test_laplace_factors_every_adapter_of_a_multiple_choice_model(winogrande):
     # so K-FAC applies (the folded model gets per-example loops and a diagonal).
     network = Network(winogrande, seed=0)
     guide = LaplaceGuide(network.model, curvature="kron")
-    guide.fit(winogrande.train_loader(0), winogrande.num_data, map=False, progress=False)
+    guide.fit(
+        winogrande.train_loader(0),
+        winogrande.num_data,
+        map=False,
+        mode_tolerance=None,  # an untrained adapter: only the factor shapes matter here
+        progress=False,
+    )
     kron = {block.site for block in guide._blocks if isinstance(block, KronBlock)}
     adapters = {site for site in network.net.random_sites if "lora_" in site}
     assert len(adapters) == 24 and adapters <= kron

@@ -10,8 +10,8 @@ The reference implementation of BLoB takes one minibatch step in two parts:
    \mathrm{KL}` and :math:`G` with :math:`\nabla_G \ell + \lambda_i \nabla_G \mathrm{KL}`.
 
 Both learning rates warm up linearly over ``warmup_ratio`` of the steps and then decay
-linearly to zero (:func:`warmup_schedule`; BLoB's Table 3 gives every method of the table
-this schedule).
+linearly to zero (:func:`~pyro_bdl.inference.vi.blob_svi.warmup_schedule`; BLoB's Table 3
+gives every method of the table this schedule).
 
 How much this weighs the KL: the minibatch ELBO, divided by :math:`N` to put it in the
 same units (a mean NLL per example), is :math:`\ell + \mathrm{KL} / N` at every step. Here
@@ -113,7 +113,7 @@ class BLoBSVI:
     :param str kl_weighting: ``"exponential"`` (BLoB) or ``"uniform"`` (:math:`1/M`).
     :param float gamma: :math:`\gamma` of the dataset rescaling (Table 4: 8).
     :param str schedule: ``"linear"`` decay after the warm-up (Table 3) or ``"constant"``
-        (see :func:`warmup_schedule`).
+        (see :func:`~pyro_bdl.inference.vi.blob_svi.warmup_schedule`).
     """
 
     def __init__(
