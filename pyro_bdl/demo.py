@@ -121,7 +121,9 @@ def laplace_recipe(
     """
     if refine:
         guide = LaplaceGuide(model, curvature=curvature, init_loc_fn=init_to_value(values=theta))
-        guide.fit(*train_args, num_steps=0, progress=False)  # L-BFGS from theta to the mode
+        # L-BFGS from theta to the mode: from the SGD MAP of the digits it takes about 200
+        # full passes to come within 0.1 posterior standard deviations (a few seconds)
+        guide.fit(*train_args, num_steps=0, max_passes=400, progress=False)
     else:
         guide = LaplaceGuide(model, curvature=curvature)
         guide.fit(*train_args, map=theta, mode_tolerance=None, progress=False)
@@ -223,8 +225,10 @@ def _digits_section(settings: DemoSettings, seed: int, out: Path) -> dict:
         probs = predict_proba(model, test, num_data, samples=samples).mean(0)
         results[name] = metrics.summarize(probs, y_test)
         curves[name] = (probs, y_test)
+    # The whole training set as one batch: L-BFGS needs the same objective at every pass
+    # (the shuffled loader drops a different remainder each epoch).
     guide, link = laplace_recipe(
-        model, (loader, num_data), (validation, num_data), theta_map, refine=True
+        model, ((x_train, y_train), num_data), (validation, num_data), theta_map, refine=True
     )
     probs = guide.predictive(test, num_data, link=link, num_samples=200)
     name = f"Laplace K-FAC ({link})"
