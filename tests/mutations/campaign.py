@@ -1,0 +1,211 @@
+"""Mutation campaign: does the suite catch plausible one-line bugs? (issue 15)
+
+Not collected by pytest (no ``test_`` prefix). Each mutation replaces one exact source
+string in ``pyro_bdl/`` (it must occur exactly once), runs the relevant test files
+(``-x -q``, one thread, ``timeout 300``) and restores the file. A mutation is *caught*
+when the tests fail. It runs on a copy of the checkout, so the worktree is never touched:
+
+    python tests/mutations/campaign.py [--only ID ...] [--out tests/mutations/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SG = "pyro_bdl/inference/sgmcmc/"
+LA = "pyro_bdl/inference/laplace/"
+VI = "pyro_bdl/inference/vi/"
+T_SG = ["tests/inference/sgmcmc/test_zero_temperature.py", "tests/inference/sgmcmc/test_kernel.py"]
+T_POST = ["tests/inference/sgmcmc/test_posterior.py"]
+T_EQ = ["tests/inference/sgmcmc/test_equilibrium.py"]
+T_LA = [
+    "tests/inference/laplace/test_evidence.py",
+    "tests/inference/laplace/curvature",
+    "tests/inference/laplace/test_laplace_guide.py",
+]
+T_GLM = ["tests/inference/laplace/test_glm_predictive.py"]
+T_VI = ["tests/inference/vi"]
+
+# (id, file, old, new, test paths)
+MUTATIONS = [
+    # -- SGMCMC: noise, drift scaling, mass, thermostat, prior, Jacobian
+    ("sgld-noise-no-2", SG + "sgld.py", "math.sqrt(2 * step_size * self.temperature",
+     "math.sqrt(step_size * self.temperature", T_SG + T_POST),
+    ("sgld-noise-10pct", SG + "sgld.py", "math.sqrt(2 * step_size * self.temperature",
+     "math.sqrt(2.2 * step_size * self.temperature", T_SG + T_POST),
+    ("sgld-drift-no-N", SG + "sgld.py", "torch._foreach_add_(theta, grads, alpha=step_size / self.num_data)",
+     "torch._foreach_add_(theta, grads, alpha=step_size)", T_SG + T_POST),
+    ("sgld-noise-no-N", SG + "sgld.py", "self.temperature / self.num_data)",
+     "self.temperature)", T_SG + T_POST),
+    ("sghmc-noise-no-friction", SG + "sghmc.py", "2 * step_size * self.temperature * self.friction / self.num_data",
+     "2 * step_size * self.temperature / self.num_data", T_SG + T_POST),
+    ("sghmc-friction-no-mass", SG + "sghmc.py", "1 - step_size * self.friction / self.mass",
+     "1 - step_size * self.friction", T_SG + T_POST),
+    ("sghmc-position-no-mass", SG + "sghmc.py", "torch._foreach_add_(theta, m, alpha=step_size / self.mass)",
+     "torch._foreach_add_(theta, m, alpha=step_size)", T_SG + T_POST),
+    ("sghmc-noise-times-mass", SG + "sghmc.py", "2 * step_size * self.temperature * self.friction / self.num_data",
+     "2 * step_size * self.temperature * self.friction * self.mass / self.num_data", T_SG + T_POST),
+    ("sghmc-kinetic-no-mass", SG + "sghmc.py", "square().sum() / self.mass",
+     "square().sum()", T_EQ),
+    ("sgnht-position-no-mass", SG + "sgnht.py", "torch._foreach_add_(theta, m, alpha=step_size / self.mass)",
+     "torch._foreach_add_(theta, m, alpha=step_size)", T_SG + T_POST),
+    ("sgnht-thermostat-target-no-N", SG + "sgnht.py", "(kinetic - self.temperature / self.num_data)",
+     "(kinetic - self.temperature)", T_SG + T_POST),
+    ("sgnht-refresh-no-mass", SG + "sgnht.py", "alpha=math.sqrt(self.mass * variance)",
+     "alpha=math.sqrt(variance)", T_SG + T_POST),
+    ("sgnht-noise-no-friction", SG + "sgnht.py", "2 * step_size * self.temperature * self.friction / self.num_data",
+     "2 * step_size * self.temperature / self.num_data", T_SG + T_POST),
+    ("prior-score-drops-mean", "pyro_bdl/inference/log_joint.py", "grads[name].add_(loc * coefficient)",
+     "grads[name].add_(loc)", T_SG + T_POST + ["tests/inference/test_log_joint.py"]),
+    ("prior-score-scale-not-squared", "pyro_bdl/inference/log_joint.py", "scale / fn.scale_value**2)",
+     "scale / fn.scale_value)", T_SG + T_POST + ["tests/inference/test_log_joint.py"]),
+    ("sgmcmc-drops-log-jacobian", SG + "base.py", "log_joint.autograd_value = log_joint.autograd_value + log_jacobian",
+     "log_joint.autograd_value = log_joint.autograd_value", T_SG),
+    ("observe-no-N-over-B", "pyro_bdl/likelihoods.py", 'pyro.plate(f"{name}_data", size=num_data, subsample=indices)',
+     'pyro.plate(f"{name}_data", size=len(indices), subsample=indices)',
+     ["tests/test_likelihoods.py", "tests/inference/test_log_joint.py"] + T_SG + T_POST),
+    # -- Laplace: N / n_seen, evidence, K-FAC, links, predictive
+    ("laplace-curvature-no-N-over-seen", LA + "guide.py", "self._blocks = curvature.blocks(num_data / seen)",
+     "self._blocks = curvature.blocks(1.0)", T_LA),
+    ("laplace-loglik-no-N-over-seen", LA + "guide.py", "return log_likelihood * scale, score, num_data, seen, jacobians",
+     "return log_likelihood, score, num_data, seen, jacobians", T_LA),
+    ("evidence-drops-prior-mean", LA + "evidence.py", "(delta * (value - prior_loc[site]).square()).sum()",
+     "(delta * value.square()).sum()", T_LA),
+    ("evidence-log-det-sign", LA + "evidence.py", "- 0.5 * log_det", "+ 0.5 * log_det", T_LA),
+    ("evidence-drops-2pi", LA + "evidence.py", "log_prior = log_prior - 0.5 * num_params * math.log(2 * math.pi)",
+     "log_prior = log_prior", T_LA),
+    ("laplace-gradient-drops-prior-mean", LA + "guide.py",
+     "score[name] - self._model_precision[name] * (value - self._prior_loc[name])",
+     "score[name] - self._model_precision[name] * value", T_LA + ["tests/inference/laplace/test_mode.py"]),
+    ("kron-eigenbasis-transpose", LA + "curvature/kron.py",
+     "self.output_vectors @ (self._project(x) * weights) @ self.input_vectors.mT",
+     "self.output_vectors @ (self._project(x) * weights) @ self.input_vectors", T_LA),
+    ("kron-project-transpose", LA + "curvature/kron.py",
+     "return self.output_vectors.mT @ self._matrix(x) @ self.input_vectors",
+     "return self.output_vectors @ self._matrix(x) @ self.input_vectors", T_LA),
+    ("kron-input-factor-per-example", LA + "curvature/kron.py",
+     "self.rows[site] += inputs[site].shape[0]", "self.rows[site] += len(grad.inputs)", T_LA),
+    ("kron-diagonal-no-scale", LA + "curvature/kron.py",
+     "blocks.append(DiagonalBlock(site, self.diagonals[site] * scale))",
+     "blocks.append(DiagonalBlock(site, self.diagonals[site]))", T_LA),
+    ("diag-curvature-no-scale", LA + "curvature/diagonal.py",
+     "return [DiagonalBlock(site, total * scale) for site, total in self.sums.items()]",
+     "return [DiagonalBlock(site, total) for site, total in self.sums.items()]", T_LA),
+    ("probit-no-sqrt", LA + "predictive.py", "(1 + math.pi / 8 * variance).sqrt()",
+     "(1 + math.pi / 8 * variance)", T_GLM + T_LA),
+    ("bridge-class-power", LA + "predictive.py", "cross / num_classes**2", "cross / num_classes",
+     T_GLM + T_LA),
+    ("mc-link-variance-not-sd", LA + "predictive.py", "values.clamp(min=0).sqrt().unsqueeze(-2)",
+     "values.clamp(min=0).unsqueeze(-2)", T_GLM + T_LA),
+    ("blocknormal-temperature-not-sqrt", LA + "prior.py", "math.sqrt(self.temperature) * draws",
+     "self.temperature * draws", ["tests/inference/laplace/test_laplace_prior.py"]),
+    # -- metrics, ArviZ
+    ("ece-unweighted-bins", "pyro_bdl/metrics.py", "weights = self.count / self.count.sum()",
+     "weights = (self.count > 0) / (self.count > 0).sum()", ["tests/test_metrics.py"]),
+    ("ece-left-closed-bins", "pyro_bdl/metrics.py", "bins = torch.bucketize(confidence, edges[1:-1])",
+     "bins = torch.bucketize(confidence, edges[1:-1], right=True)", ["tests/test_metrics.py"]),
+    ("predictive-returns-data", "pyro_bdl/arviz.py", '            site["value"].cpu().numpy(),\n',
+     "            observed.cpu().numpy(),\n", ["tests/test_arviz.py"]),
+    ("arviz-guide-seed-ignored", "pyro_bdl/arviz.py", "pyro.set_rng_seed(seed)",
+     "pyro.set_rng_seed(0)", ["tests/test_arviz.py"]),
+    # -- VI: flipout, BLoB KL weight, IVON
+    ("flipout-input-signs-shared", VI + "flipout.py", "s = _rademacher(h.shape, h)",
+     "s = _rademacher(h.shape[-1:], h)", T_VI),
+    ("flipout-output-signs-per-sequence", VI + "flipout.py",
+     "t = _rademacher(h.shape[:-1] + delta.shape[:1], h)",
+     "t = _rademacher(h.shape[:1] + (1,) * (h.dim() - 2) + delta.shape[:1], h)", T_VI),
+    ("blob-kl-weight-doubled", VI + "kl_weights.py", "math.ldexp(1.0, i - cycle - 1)",
+     "math.ldexp(1.0, i - cycle)", T_VI),
+    ("blob-svi-kl-unweighted", VI + "blob_svi.py", "(kl_weight * kl).backward()", "kl.backward()",
+     T_VI),
+    ("ivon-hessian-no-correction", VI + "ivon_svi.py",
+     ".add_(correction, alpha=0.5 * (1 - beta2) ** 2)", "", T_VI),
+    ("ivon-no-debias", VI + "ivon_svi.py", "self.momentum.div(1 - beta1**self.step_count)",
+     "self.momentum.clone()", T_VI),
+    ("ivon-hessian-no-ess", VI + "ivon_svi.py", "hess_nll = noise_grad.mul_(precision).mul_(guide.ess)",
+     "hess_nll = noise_grad.mul_(precision)", T_VI),
+    ("ivon-scale-no-ess", VI + "ivon.py", "torch.rsqrt(self.ess * precision)",
+     "torch.rsqrt(precision)", T_VI),
+    ("ivon-decay-no-N", VI + "ivon.py", 'site["scale"] / (num_data * scale.square())',
+     'site["scale"] / scale.square()', T_VI),
+    # -- checkpoints, baselines
+    ("checkpoint-rng-not-restored", SG + "checkpoint.py", 'torch.set_rng_state(tensors["rng/cpu"])',
+     "torch.get_rng_state()", ["tests/inference/sgmcmc/test_checkpoint.py"]),
+    ("map-ignores-weight-decay", "pyro_bdl/inference/baselines.py",
+     '{"lr": lr, "eps": _ADAM_EPS, "weight_decay": weight_decay}',
+     '{"lr": lr, "eps": _ADAM_EPS, "weight_decay": 0.0}', ["tests/inference/test_baselines.py"]),
+    ("bbb-prior-ignored", "pyro_bdl/inference/baselines.py",
+     "    with _prior(net, prior_std):\n        for _ in bar:\n            step_args, step_kwargs = batches.next()\n            bar.set_postfix(loss=f\"{svi.step(",
+     "    with _prior(net, None):\n        for _ in bar:\n            step_args, step_kwargs = batches.next()\n            bar.set_postfix(loss=f\"{svi.step(",
+     ["tests/inference/test_baselines.py"]),
+]
+
+
+def run(mutation, copy: Path) -> tuple[str, str]:
+    ident, path, old, new, tests = mutation
+    source = copy / path
+    text = source.read_text()
+    if text.count(old) != 1:
+        return "invalid", f"the string occurs {text.count(old)} times"
+    source.write_text(text.replace(old, new))
+    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = ["timeout", "300", sys.executable, "-m", "pytest", "-x", "-q", "-p",
+               "no:cacheprovider", "-W", "ignore", *tests]
+    try:
+        done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+    finally:
+        source.write_text(text)
+    failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    if done.returncode == 0:
+        return "survived", ""
+    if done.returncode == 124:
+        return "caught (timeout)", ""
+    return "caught", failed[0].split(" - ")[0].split(" ", 1)[-1] if failed else f"rc {done.returncode}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", nargs="*")
+    parser.add_argument("--out", default=str(ROOT / "tests/mutations/RESULTS.md"))
+    options = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not options.only or m[0] in options.only]
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "root"
+        copy.mkdir()
+        # the tests read ../shared/data relative to the checkout root
+        shared = (ROOT / "../shared").resolve()
+        if shared.exists():
+            (Path(tmp) / "shared").symlink_to(shared)
+        for name in ("pyro_bdl", "tests", "pyproject.toml", "examples"):
+            if (ROOT / name).is_dir():
+                shutil.copytree(ROOT / name, copy / name)
+            elif (ROOT / name).exists():
+                shutil.copy(ROOT / name, copy / name)
+        rows = []
+        for mutation in chosen:
+            start = time.time()
+            verdict, where = run(mutation, copy)
+            rows.append((mutation[0], mutation[1], verdict, where, time.time() - start))
+            print(f"{mutation[0]:40s} {verdict:10s} {where} ({rows[-1][4]:.0f}s)", flush=True)
+    caught = sum(r[2].startswith("caught") for r in rows)
+    valid = sum(r[2] != "invalid" for r in rows)
+    lines = ["# Mutation campaign (issue 15)", "",
+             f"{caught} of {valid} caught ({100 * caught / max(valid, 1):.0f} %).", "",
+             "| mutation | file | verdict | first failing test | seconds |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.0f} |" for r in rows]
+    Path(options.out).write_text("\n".join(lines) + "\n")
+    print(lines[2])
+
+
+if __name__ == "__main__":
+    main()
