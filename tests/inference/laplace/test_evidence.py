@@ -11,7 +11,6 @@ from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.metrics import nll
 
 
-
 def test_equals_the_exact_log_marginal_likelihood_of_a_linear_gaussian(linear_gaussian):
     problem = linear_gaussian
     guide = LaplaceGuide(problem.model, curvature="full")
