@@ -261,7 +261,7 @@ MUTATIONS = [
     (
         "ece-unweighted-bins",
         "pyro_bdl/metrics.py",
-        "weights = self.count / self.count.sum()",
+        "weights = self.count.double() / self.count.sum()",
         "weights = (self.count > 0) / (self.count > 0).sum()",
         ["tests/test_metrics.py"],
     ),
