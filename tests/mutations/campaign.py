@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -418,34 +420,54 @@ def run(mutation, copy: Path) -> tuple[str, str]:
     ] if failed else f"rc {done.returncode}"
 
 
+def checkout_copy(tmp: Path) -> Path:
+    """A copy of the library and its tests whose ``../shared`` is the checkout's."""
+    copy = tmp / "root"
+    copy.mkdir()
+    for name in ("pyro_bdl", "tests", "examples", "pyproject.toml"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, copy / name)
+        elif (ROOT / name).exists():
+            shutil.copy(ROOT / name, copy / name)
+    shared = (ROOT / "../shared").resolve()
+    if shared.exists():
+        (tmp / "shared").symlink_to(shared)
+    return copy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--jobs", type=int, default=1, help="mutations run at once")
     parser.add_argument("--out", default=str(ROOT / "tests/mutations/RESULTS.md"))
     options = parser.parse_args()
     chosen = [m for m in MUTATIONS if not options.only or m[0] in options.only]
     with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / "root"
-        copy.mkdir()
-        # the tests read ../shared/data relative to the checkout root
-        shared = (ROOT / "../shared").resolve()
-        if shared.exists():
-            (Path(tmp) / "shared").symlink_to(shared)
-        for name in ("pyro_bdl", "tests", "pyproject.toml", "examples"):
-            if (ROOT / name).is_dir():
-                shutil.copytree(ROOT / name, copy / name)
-            elif (ROOT / name).exists():
-                shutil.copy(ROOT / name, copy / name)
-        rows = []
-        for mutation in chosen:
-            start = time.time()
-            verdict, where = run(mutation, copy)
-            rows.append((mutation[0], mutation[1], verdict, where, time.time() - start))
-            print(f"{mutation[0]:40s} {verdict:10s} {where} ({rows[-1][4]:.0f}s)", flush=True)
+        copies = queue.Queue()
+        for job in range(options.jobs):
+            (Path(tmp) / str(job)).mkdir()
+            copies.put(checkout_copy(Path(tmp) / str(job)))
+
+        def one(mutation):
+            copy = copies.get()
+            try:
+                start = time.time()
+                verdict, where = run(mutation, copy)
+            finally:
+                copies.put(copy)
+            row = (mutation[0], mutation[1], verdict, where, time.time() - start)
+            print(f"{row[0]:40s} {verdict:10s} {where} ({row[4]:.0f}s)", flush=True)
+            return row
+
+        with ThreadPoolExecutor(options.jobs) as pool:
+            rows = list(pool.map(one, chosen))
     caught = sum(r[2].startswith("caught") for r in rows)
     valid = sum(r[2] != "invalid" for r in rows)
     lines = [
         "# Mutation campaign (issue 15)",
+        "",
+        "`python tests/mutations/campaign.py --jobs 2` (each mutation: the listed test files,",
+        "`pytest -x -q`, one thread, `timeout 300`).",
         "",
         f"{caught} of {valid} caught ({100 * caught / max(valid, 1):.0f} %).",
         "",
@@ -454,7 +476,7 @@ def main() -> None:
     ]
     lines += [f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.0f} |" for r in rows]
     Path(options.out).write_text("\n".join(lines) + "\n")
-    print(lines[2])
+    print(lines[5])
 
 
 if __name__ == "__main__":
