@@ -119,6 +119,16 @@ def dense_precision(block, delta):
 
 
 @pytest.fixture
+def laplace_torch():
+    """laplace-torch with its curvature backends, a test peer: the tests that compare
+    with it take this fixture and skip without it; the others run regardless."""
+    pytest.importorskip("laplace.curvature")
+    import laplace
+
+    return laplace
+
+
+@pytest.fixture
 def helpers():
     """The builders above, for test modules (which cannot import this conftest)."""
     return SimpleNamespace(

@@ -55,13 +55,11 @@ def test_a_fit_on_part_of_the_data_stands_for_num_data_examples(helpers, curvatu
 
 
 @pytest.mark.parametrize("structure", ["scalar", "layer"])
-def test_marglik_tuning_follows_laplace_torch(helpers, structure):
-    laplace = pytest.importorskip("laplace")
-    curvatures = pytest.importorskip("laplace.curvature")
+def test_marglik_tuning_follows_laplace_torch(helpers, structure, laplace_torch):
     network = helpers.mlp(bias=False)
     x, y = helpers.classification_data()
-    reference = laplace.KronLaplace(
-        copy.deepcopy(network), "classification", backend=curvatures.CurvlinopsGGN
+    reference = laplace_torch.KronLaplace(
+        copy.deepcopy(network), "classification", backend=laplace_torch.curvature.CurvlinopsGGN
     )
     reference.fit(DataLoader(TensorDataset(x, y), batch_size=60))
     reference.optimize_prior_precision(
