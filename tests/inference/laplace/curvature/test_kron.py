@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import LaplaceGuide
-from pyro_bdl.inference.laplace.curvature import DiagonalBlock, KronBlock
+from pyro_bdl.inference.laplace.curvature import DiagonalBlock, Kron, KronBlock
 from pyro_bdl.inference.laplace.jacobians import DenseGradient
 from pyro_bdl.models import DictLogits
 
@@ -318,3 +318,49 @@ def test_factored_predictive_covariance_equals_the_dense_one(d_out, d_in, positi
     torch.testing.assert_close(
         block.output_covariance({"w": grad}, delta), block.output_covariance({"w": dense}, delta)
     )
+
+
+def test_empirical_fisher_matches_laplace_torch(helpers, laplace_torch):
+    network = helpers.mlp(bias=False)
+    x, y = helpers.classification_data()
+    reference = laplace_torch.KronLaplace(
+        copy.deepcopy(network),
+        "classification",
+        prior_precision=0.5,
+        backend=laplace_torch.curvature.CurvlinopsEF,
+    )
+    reference.fit(DataLoader(TensorDataset(x, y), batch_size=len(x)))
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(2.0**0.5))
+    guide = LaplaceGuide(helpers.classifier(net), curvature=Kron(fisher="ef"))
+    guide.fit(DataLoader(TensorDataset(x, y), batch_size=20), len(x), map=False, progress=False)
+    assert torch.allclose(
+        guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-6
+    )
+    _, covariance = guide.output_distribution((x, y), len(x))
+    _, f_covariance = reference._glm_predictive_distribution(x)
+    assert torch.allclose(covariance, f_covariance, rtol=1e-6, atol=1e-10)
+
+
+def test_monte_carlo_fisher_converges_to_the_ggn(helpers):
+    # For a softmax likelihood the Fisher is the GGN: the MC factors average the outer
+    # products of scores at sampled labels, 60 examples x 400 labels here, so each
+    # entry of the output factor is off by about 1 / sqrt(24000) < 1 % of its scale.
+    network = helpers.mlp(bias=False)
+    x, y = helpers.classification_data()
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
+    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    fits = {}
+    for name, curvature in [("ggn", "kron"), ("mc", Kron(fisher="mc", num_samples=400))]:
+        torch.manual_seed(0)
+        guide = LaplaceGuide(helpers.classifier(net), curvature=curvature)
+        fits[name] = guide.fit(loader, len(x), map=False, progress=False)
+    for exact, sampled in zip(fits["ggn"]._blocks, fits["mc"]._blocks):
+        delta = fits["ggn"].prior_precision
+        exact_matrix = helpers.dense_precision(exact, delta)
+        sampled_matrix = helpers.dense_precision(sampled, delta)
+        identity = torch.eye(len(exact_matrix))  # the prior precision, 1
+        exact_matrix, sampled_matrix = exact_matrix - identity, sampled_matrix - identity
+        error = (sampled_matrix - exact_matrix).norm() / exact_matrix.norm()
+        assert 1e-4 < error < 0.05  # sampled, not exact, and converging
+    evidence = [fits[name].log_marginal_likelihood() for name in ("ggn", "mc")]
+    assert torch.allclose(*evidence, rtol=0.01)
