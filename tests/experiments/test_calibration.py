@@ -20,6 +20,7 @@ def _expected_rows(dataset: str) -> set[str]:
     return rows | ({"LA-torch"} if dataset == "sst2" else set())
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     pytest.importorskip("laplace")
     results = run_experiment(
