@@ -241,6 +241,20 @@ MUTATIONS = [
         T_LA,
     ),
     (
+        "fisher-mc-averages-not-root",
+        LA + "observation.py",
+        "columns = torch.stack(draws) / math.sqrt(num_samples)",
+        "columns = torch.stack(draws) / num_samples",
+        T_LA,
+    ),
+    (
+        "fisher-ef-at-sampled-labels",
+        LA + "observation.py",
+        "self.family.score(self.base, f, self.value).unsqueeze(0)",
+        "self.family.score(self.base, f, self.base.sample()).unsqueeze(0)",
+        T_LA,
+    ),
+    (
         "probit-no-sqrt",
         LA + "predictive.py",
         "(1 + math.pi / 8 * variance).sqrt()",
