@@ -157,7 +157,7 @@ MUTATIONS = [
         SG + "sgnht.py",
         "alpha=math.sqrt(self.mass * variance)",
         "alpha=math.sqrt(variance)",
-        T_SG + T_SGNHT,
+        T_EQ + T_SGNHT,
     ),
     (
         "sgnht-noise-no-friction",
