@@ -60,7 +60,7 @@ class ReliabilityCurve(NamedTuple):
     @property
     def ece(self) -> float:
         r""":math:`\sum_b (n_b / n) |\mathrm{acc}_b - \mathrm{conf}_b|` over non-empty bins."""
-        weights = self.count / self.count.sum()
+        weights = self.count.double() / self.count.sum()  # int / int is float32
         gaps = (self.accuracy - self.confidence).abs()
         return float(torch.where(self.count > 0, weights * gaps, 0.0).sum())
 

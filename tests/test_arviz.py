@@ -64,6 +64,24 @@ def test_mcmc_tree_has_arviz_groups_dims_and_attributes(run):
     assert tree.attrs["num_chains"] == 2
 
 
+def test_posterior_predictive_draws_follow_the_model_not_the_data(run):
+    x, y, model, mcmc = run
+    tree = bdl.to_arviz(mcmc, model_args=(x, y), posterior_predictive=True)
+    predicted = torch.as_tensor(tree["posterior_predictive"]["y"].values).reshape(-1, NUM_DATA)
+    samples = mcmc.get_samples()  # (40 draws, ...) in the same chain-major order
+    logits = torch.einsum("nj,dkj->dnk", x, samples["weight"]) + samples["bias"][:, None]
+    probs = logits.softmax(-1)  # (40, 30, 3)
+    # Predictions are draws of the likelihood, not the observations: under this model
+    # about half of them differ from y (a predictive that returns the data has none).
+    assert (predicted != y).double().mean() > 0.3
+    # Each class appears as often as the model's probabilities say: over 1200 draws the
+    # count of class k has mean sum p_k and variance sum p_k (1 - p_k); allow 4 sd.
+    for k in range(3):
+        p = probs[..., k]
+        count = (predicted == k).double().sum()
+        assert (count - p.sum()).abs() < 4 * (p * (1 - p)).sum().sqrt()
+
+
 def test_log_likelihood_is_pointwise_and_unscaled(run):
     x, y, model, mcmc = run
     tree = bdl.to_arviz(mcmc, model_args=(x, y), log_likelihood=True)
@@ -190,6 +208,11 @@ def test_guide_source_has_an_approximation_group():
     assert tree.attrs["method"] == "Guide" and tree.attrs["init_scale"] == 0.1
     with pytest.raises(ValueError, match="num_samples"):
         bdl.to_arviz(guide)
+    # the seed makes the guide's draws: the same seed the same ones, another seed others
+    same = bdl.to_arviz(guide, num_samples=6, model_args=(x, y), seed=0)["posterior"]["weight"]
+    other = bdl.to_arviz(guide, num_samples=6, model_args=(x, y), seed=1)["posterior"]["weight"]
+    np.testing.assert_array_equal(same.values, tree["posterior"]["weight"].values)
+    assert not np.allclose(other.values, same.values)
 
 
 def test_a_dict_of_draws_follows_pyro_get_samples_convention(run):

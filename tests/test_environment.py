@@ -4,13 +4,19 @@ and no torchvision (its CUDA build breaks `import transformers` beside a CPU tor
 import importlib.util
 
 
-def test_peft_and_transformers_import_beside_cpu_torch():
+def test_peft_and_transformers_work_beside_the_installed_torch():
+    # Whatever torch the user has: what matters is that peft and transformers import
+    # beside it and a LoRA adapter runs forward and backward on it.
     import peft
     import torch
     import transformers
 
-    assert torch.__version__.startswith("2.13.0")
-    assert peft.PeftModel is not None and transformers.AutoModel is not None
+    assert transformers.AutoModel is not None
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    lora = peft.get_peft_model(module, peft.LoraConfig(r=1, target_modules=["0"]))
+    lora(torch.randn(4, 3)).sum().backward()
+    trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
 
 
 def test_torchvision_is_kept_out():

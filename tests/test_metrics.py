@@ -52,6 +52,28 @@ def test_reliability_curve_and_ece_by_hand():
     assert curve.ece == metrics.ece(probs, labels)
 
 
+def test_ece_weights_bins_by_count_and_bins_are_right_closed():
+    # Four bins, edges 0, 1/4, 1/2, 3/4, 1 (exact in binary); confidences on the edges
+    # 1/2 and 3/4 belong to the bin they close: (1/4, 1/2] and (1/2, 3/4].
+    probs = tensor(
+        [
+            [0.5, 0.3, 0.1, 0.1],  # conf 1/2, right
+            [0.1, 0.5, 0.2, 0.2],  # conf 1/2, wrong
+            [0.75, 0.25, 0.0, 0.0],  # conf 3/4, right
+            [0.75, 0.25, 0.0, 0.0],  # conf 3/4, wrong
+            [0.75, 0.25, 0.0, 0.0],  # conf 3/4, right
+            [0.9, 0.1, 0.0, 0.0],  # conf 0.9, wrong
+        ]
+    )
+    labels = torch.tensor([0, 0, 0, 1, 0, 1])
+    curve = metrics.reliability_curve(probs, labels, num_bins=4)
+    assert curve.count.tolist() == [0, 2, 3, 1]  # left-closed bins would give [0, 0, 2, 4]
+    # Bin gaps 0, |2/3 - 3/4| = 1/12 and 0.9, weighted by counts 2, 3 and 1 out of 6:
+    # 3/6 * 1/12 + 1/6 * 0.9 = 0.19167; unweighted over the bins it would be 0.3278.
+    expected = 3 / 6 / 12 + 0.9 / 6
+    assert metrics.ece(probs, labels, num_bins=4) == pytest.approx(expected, rel=1e-12)
+
+
 def test_ece_is_zero_when_perfectly_calibrated():
     # 75% confident and right 3 times out of 4; fully confident and always right
     probs = tensor([[0.75, 0.25]] * 4 + [[0.0, 1.0]] * 2)

@@ -11,6 +11,7 @@ from pyro_bdl.experiments.continual import METHODS
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     results = run_experiment("continual", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
     saved = json.loads((tmp_path / "results.json").read_text())

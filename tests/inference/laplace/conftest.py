@@ -32,31 +32,41 @@ def _fits_anywhere():
 
 
 class LinearGaussian:
-    """y = X w + noise, w ~ N(0, 1/alpha): the Laplace approximation is exact."""
+    """y = X w + noise, w ~ N(mu0, 1/alpha): the Laplace approximation is exact.
 
-    def __init__(self, num_data=40, dim=3, sigma=0.5, alpha=2.0, seed=0):
+    ``copies`` repeats the ``num_data`` examples that many times: the data set of a fit
+    on one copy with ``num_data`` set to the whole size.
+    """
+
+    def __init__(self, num_data=40, dim=3, sigma=0.5, alpha=2.0, seed=0, prior_mean=0.0, copies=1):
         generator = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_data, dim, generator=generator)
         self.w = torch.randn(dim, generator=generator)
         self.y = self.x @ self.w + sigma * torch.randn(num_data, generator=generator)
-        self.num_data, self.dim, self.sigma, self.alpha = num_data, dim, sigma, alpha
+        self.x, self.y = self.x.repeat(copies, 1), self.y.repeat(copies)
+        self.num_data, self.dim, self.sigma, self.alpha = num_data * copies, dim, sigma, alpha
+        self.prior_mean = prior_mean
         self.precision = self.x.T @ self.x / sigma**2 + alpha * torch.eye(dim)
         self.covariance = torch.linalg.inv(self.precision)
-        self.mean = self.covariance @ self.x.T @ self.y / sigma**2
+        self.mean = self.covariance @ (self.x.T @ self.y / sigma**2 + alpha * prior_mean)
 
     def model(self, batch, num_data):
         x, y = batch
-        w = pyro.sample("w", dist.Normal(0.0, self.alpha**-0.5).expand([self.dim]).to_event(1))
+        prior = dist.Normal(self.prior_mean, self.alpha**-0.5).expand([self.dim]).to_event(1)
+        w = pyro.sample("w", prior)
         bdl.observe("y", dist.Normal(x @ w, self.sigma), y, num_data)
         return x @ w
 
-    def loader(self, batch_size=16):
-        return DataLoader(TensorDataset(self.x, self.y), batch_size=batch_size)
+    def loader(self, batch_size=16, first=None):
+        """The data (its ``first`` examples only, if given) in batches."""
+        dataset = TensorDataset(self.x[:first], self.y[:first])
+        return DataLoader(dataset, batch_size=batch_size)
 
     def log_evidence(self, alpha=None):
         alpha = self.alpha if alpha is None else alpha
         covariance = self.sigma**2 * torch.eye(self.num_data) + self.x @ self.x.T / alpha
-        return dist.MultivariateNormal(torch.zeros(self.num_data), covariance).log_prob(self.y)
+        mean = self.x @ torch.full((self.dim,), float(self.prior_mean))
+        return dist.MultivariateNormal(mean, covariance).log_prob(self.y)
 
 
 @pytest.fixture
@@ -106,6 +116,16 @@ def dense_precision(block, delta):
     pairs = (basis.unsqueeze(0) + basis.unsqueeze(1)).reshape(-1, dim)
     both = block.quadratic(split(pairs), delta).reshape(dim, dim)
     return (both - single[:, None] - single[None, :]) / 2
+
+
+@pytest.fixture
+def laplace_torch():
+    """laplace-torch with its curvature backends, a test peer: the tests that compare
+    with it take this fixture and skip without it; the others run regardless."""
+    pytest.importorskip("laplace.curvature")
+    import laplace
+
+    return laplace
 
 
 @pytest.fixture

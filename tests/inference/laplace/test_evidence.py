@@ -10,9 +10,6 @@ import pyro_bdl as bdl
 from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.metrics import nll
 
-laplace = pytest.importorskip("laplace")
-curvatures = pytest.importorskip("laplace.curvature")
-
 
 def test_equals_the_exact_log_marginal_likelihood_of_a_linear_gaussian(linear_gaussian):
     problem = linear_gaussian
@@ -27,12 +24,44 @@ def test_equals_the_exact_log_marginal_likelihood_of_a_linear_gaussian(linear_ga
     assert torch.allclose(guide.log_marginal_likelihood(), moved.log_evidence(), atol=1e-10)
 
 
+def test_the_evidence_counts_the_prior_mean(helpers):
+    # mu0 = 2 against weights of order 1: the prior term (w - mu0)^2 and the evidence's
+    # mean X mu0 both matter (the evidence at mu0 = 0 differs by more than 1).
+    problem = helpers.LinearGaussian(prior_mean=2.0)
+    guide = LaplaceGuide(problem.model, curvature="full")
+    guide.fit(problem.loader(), problem.num_data, map={"w": problem.mean}, progress=False)
+    assert torch.allclose(guide.log_marginal_likelihood(), problem.log_evidence(), atol=1e-10)
+    # the exact MAP is a mode of the log joint whose prior is centred at mu0
+    assert guide.mode_distance < 1e-8
+    zero_mean = helpers.LinearGaussian(prior_mean=0.0)
+    assert (zero_mean.log_evidence() - problem.log_evidence()).abs() > 1
+
+
+@pytest.mark.parametrize("curvature", ["full", "diag_ggn", "kron"])
+def test_a_fit_on_part_of_the_data_stands_for_num_data_examples(helpers, curvature):
+    # The 40 examples are two copies of 20: one pass over the first copy with
+    # num_data=40 scales its curvature and log likelihood by N / n_seen = 2 and must
+    # give the fit on all 40 (exactly: the per-example terms repeat).
+    problem = helpers.LinearGaussian(num_data=20, prior_mean=0.3, copies=2)
+    fits = []
+    for first in (20, None):
+        guide = LaplaceGuide(problem.model, curvature=curvature)
+        guide.fit(problem.loader(first=first), 40, map={"w": problem.mean}, progress=False)
+        fits.append(guide)
+    part, whole = fits
+    assert torch.allclose(part.variance()["w"], whole.variance()["w"], rtol=1e-10)
+    assert torch.allclose(part.log_marginal_likelihood(), whole.log_marginal_likelihood())
+    if curvature == "full":
+        assert torch.allclose(part.variance()["w"], problem.covariance.diagonal(), rtol=1e-10)
+        assert torch.allclose(part.log_marginal_likelihood(), problem.log_evidence())
+
+
 @pytest.mark.parametrize("structure", ["scalar", "layer"])
-def test_marglik_tuning_follows_laplace_torch(helpers, structure):
+def test_marglik_tuning_follows_laplace_torch(helpers, structure, laplace_torch):
     network = helpers.mlp(bias=False)
     x, y = helpers.classification_data()
-    reference = laplace.KronLaplace(
-        copy.deepcopy(network), "classification", backend=curvatures.CurvlinopsGGN
+    reference = laplace_torch.KronLaplace(
+        copy.deepcopy(network), "classification", backend=laplace_torch.curvature.CurvlinopsGGN
     )
     reference.fit(DataLoader(TensorDataset(x, y), batch_size=60))
     reference.optimize_prior_precision(

@@ -64,8 +64,17 @@ def test_block_prior_has_the_gaussian_density(helpers, curvature):
     gaussian = dist.MultivariateNormal(param.detach().flatten(), precision_matrix=precision)
     value = torch.randn(4, *param.shape)
     assert torch.allclose(distribution.log_prob(value), gaussian.log_prob(value.flatten(1)))
-    draws = distribution.rsample((3,))
-    assert draws.shape == (3, *param.shape)
+    # The draws have the covariance T P^-1: each second-moment entry within 5 of its
+    # standard errors sqrt((S_ii S_jj + S_ij^2) / n) (a wrong sqrt(T) is off by 40 %).
+    num_draws = 20000
+    torch.manual_seed(0)
+    draws = distribution.rsample((num_draws,))
+    assert draws.shape == (num_draws, *param.shape)
+    centred = (draws - param.detach()).flatten(1)
+    covariance = torch.linalg.inv(precision)
+    var = covariance.diagonal()
+    error = ((var[:, None] * var[None, :] + covariance**2) / num_draws).sqrt()
+    assert torch.all((centred.T @ centred / num_draws - covariance).abs() <= 5 * error)
 
 
 def test_a_diagonal_posterior_is_a_normal_prior_for_the_next_laplace(helpers):

@@ -104,3 +104,21 @@ def test_sgnht_refuses_zero_friction_at_positive_temperature():
     with pytest.raises(ValueError, match="friction must be positive when temperature > 0"):
         SGNHT(_model(), step_size=0.01, friction=0.0)
     SGNHT(_model(), step_size=0.01, friction=0.0, temperature=0.0)  # optimisation-like
+
+
+def test_sgnht_refreshes_the_momenta_from_their_stationary_law_after_warmup():
+    # At the end of warm-up the momenta are drawn from N(0, mass T / N): the kinetic
+    # temperature N m^T m / (mass d) of the first kept draw, one tiny step later, is a
+    # chi-square mean over d = 2000 coordinates, T within 4 sqrt(2 / d) = 0.13 T (a
+    # refresh that forgets the mass 0.5 gives 2 T).
+    dim, num_data, temperature = 2000, 10, 0.7
+
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(dim, dtype=torch.float64), 1.0).to_event(1))
+
+    pyro.set_rng_seed(0)
+    kernel = SGNHT(model, step_size=1e-6, mass=0.5, num_data=num_data, temperature=temperature)
+    mcmc = MCMC(kernel, num_samples=1, warmup_steps=3, disable_progbar=True)
+    mcmc.run()
+    (kinetic,) = kernel.diagnostics()["sample_stats"]["kinetic_temperature"]
+    assert abs(kinetic / temperature - 1) < 4 * (2 / dim) ** 0.5

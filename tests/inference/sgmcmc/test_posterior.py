@@ -1,8 +1,16 @@
-"""SGLD and SGHMC draws match the exact posterior of a conjugate linear regression.
+"""SGLD, SGHMC and SGNHT draws match the exact posterior of a conjugate linear regression.
 
-The model: y = X w + noise, noise ~ N(0, 1), prior w ~ N(0, s^2 I). The posterior is
-N(mu, C) with precision P = X^T X + I / s^2. We whiten the draws with C and compare
-their covariance with T * I (the tempered posterior p^(1/T) has covariance T * C).
+The model: y = X w + noise, noise ~ N(0, 1), prior w ~ N(mu0, s^2 I) with mu0 != 0 and a
+prior strong enough that its mean moves the posterior's by several posterior standard
+deviations. The posterior is N(mu, C) with precision P = X^T X + I / s^2 and
+mu = C (X^T y + mu0 / s^2). We whiten the draws with C and compare their covariance with
+T * I (the tempered posterior p^(1/T) has covariance T * C).
+
+Every chain runs on minibatches, N / B = 4, at T > 0. The data set is four copies of one
+block of B examples and the loader visits the blocks in order, so each minibatch gradient,
+scaled N / B, is exactly the full-data gradient: the minibatch chain has the full-batch
+chain's stationary law, with no gradient noise, and any error in the N / B scaling (of the
+likelihood, of the noise or of the drift) moves it by a factor of up to 4.
 
 Tolerances. Each chain's Monte Carlo error is estimated by batch means (20 batches of
 consecutive draws, long against the autocorrelation time), and every entry must lie
@@ -12,6 +20,11 @@ target the discretised chain is linear, so its exact stationary covariance is a
 Lyapunov equation per eigen-direction of P / N; we use it as the expectation and check
 separately that it is within 3 % of the posterior's, so the test also pins the sampler
 to the posterior itself.
+
+Resolution. One entry at a time, 4 standard errors are about 30 % of a variance. The
+pooled statistic, the mean of the D whitened variances, averages D nearly independent
+estimates, so its batch-means standard error is about sqrt(D) = 2.8 times smaller and
+4 of them are under 10 % of T: a sampler whose variances are all 10 % off fails.
 """
 
 import numpy as np
@@ -21,26 +34,36 @@ import pytest
 import scipy.linalg
 import torch
 from pyro.infer import MCMC
+from torch.utils.data import DataLoader
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import SGHMC, SGLD, SGNHT
 
-NUM_DATA, DIM, PRIOR_SCALE = 200, 8, 1.0
+NUM_DATA, BATCH, DIM = 200, 50, 8
+PRIOR_SCALE, PRIOR_MEAN = 0.1, 0.5
 NUM_BATCHES = 20
 
 
 def _regression():
     generator = torch.Generator().manual_seed(0)
     # X^T X / N = R diag(lam) R^T exactly: a correlated but well-conditioned posterior.
-    q, _ = torch.linalg.qr(torch.randn(NUM_DATA, DIM, generator=generator, dtype=torch.float64))
+    q, _ = torch.linalg.qr(torch.randn(BATCH, DIM, generator=generator, dtype=torch.float64))
     rotation, _ = torch.linalg.qr(torch.randn(DIM, DIM, generator=generator, dtype=torch.float64))
-    lam = torch.linspace(0.8, 1.25, DIM, dtype=torch.float64)
-    x = NUM_DATA**0.5 * q @ torch.diag(lam.sqrt()) @ rotation.T
-    y = x @ torch.randn(DIM, generator=generator, dtype=torch.float64)
-    y = y + torch.randn(NUM_DATA, generator=generator, dtype=torch.float64)
-    precision = x.T @ x + torch.eye(DIM, dtype=torch.float64) / PRIOR_SCALE**2
+    lam = torch.linspace(0.3, 0.75, DIM, dtype=torch.float64)
+    block = BATCH**0.5 * q @ torch.diag(lam.sqrt()) @ rotation.T
+    y_block = block @ torch.randn(DIM, generator=generator, dtype=torch.float64)
+    y_block = y_block + torch.randn(BATCH, generator=generator, dtype=torch.float64)
+    x, y = block.repeat(NUM_DATA // BATCH, 1), y_block.repeat(NUM_DATA // BATCH)
+    prior_precision = torch.eye(DIM, dtype=torch.float64) / PRIOR_SCALE**2
+    precision = x.T @ x + prior_precision
     covariance = torch.linalg.inv(precision)
-    return x, y, covariance @ x.T @ y, covariance, precision / NUM_DATA
+    mean = covariance @ (x.T @ y + prior_precision @ torch.full((DIM,), PRIOR_MEAN).double())
+    return x, y, mean, covariance, precision / NUM_DATA
+
+
+def _loader(x, y):
+    # The blocks in order, made once (indexing a TensorDataset per step costs 5 times more).
+    return DataLoader(list(zip(x.split(BATCH), y.split(BATCH))), batch_size=None)
 
 
 def _stationary_variance(kernel, eig):
@@ -60,11 +83,21 @@ def _stationary_variance(kernel, eig):
     "make_kernel, temperature",
     [
         (lambda model, t: SGLD(model, step_size=0.04, temperature=t, thin=5), 1.0),
-        (lambda model, t: SGHMC(model, step_size=0.1, friction=2.0, temperature=t, thin=5), 1.0),
-        (lambda model, t: SGHMC(model, step_size=0.1, friction=2.0, temperature=t, thin=5), 0.5),
+        (
+            lambda model, t: SGHMC(
+                model, step_size=0.1, friction=2.0, mass=2.0, temperature=t, thin=5
+            ),
+            1.0,
+        ),
+        (
+            lambda model, t: SGHMC(
+                model, step_size=0.05, friction=1.0, mass=0.5, temperature=t, thin=5
+            ),
+            0.5,
+        ),
         (lambda model, t: SGLD(model, step_size=0.04, temperature=t, thin=5), 0.5),
     ],
-    ids=["sgld-T1", "sghmc-T1", "sghmc-T0.5", "sgld-T0.5"],
+    ids=["sgld-T1", "sghmc-mass2-T1", "sghmc-mass0.5-T0.5", "sgld-T0.5"],
 )
 def test_draws_match_the_tempered_posterior(make_kernel, temperature):
     x, y, mean, covariance, precision_per_datum = _regression()
@@ -88,19 +121,25 @@ def test_sgnht_draws_match_the_posterior():
     # biases the position variance by O(step_size * friction / mass) = O(0.025) here;
     # the test allows 0.03 on top of the Monte Carlo error.
     x, y, mean, covariance, _ = _regression()
-    kernel = SGNHT(_model(), step_size=0.05, friction=0.5, thin=10)
+    kernel = SGNHT(_model(), step_size=0.025, friction=0.5, mass=0.5, thin=10)
     draws = _run(kernel, x, y, mean)
     whiten = _whitener(covariance)
     identity = torch.eye(DIM, dtype=torch.float64)
-    _assert_whitened_moments(whiten((draws - mean).T).T, identity, bias=0.03)
+    # The thermostat's chain mixes slower (4 standard errors of the pooled variance
+    # are about 14 %): its resolution is not claimed.
+    _assert_whitened_moments(whiten((draws - mean).T).T, identity, bias=0.03, resolution=None)
     stats = kernel.diagnostics()["sample_stats"]["thermostat"]
     assert abs(sum(stats) / len(stats) - 0.5) < 0.1
 
 
 def _model():
-    net = bdl.lift(torch.nn.Linear(DIM, 1, bias=False).double(), bdl.priors.IIDNormal(PRIOR_SCALE))
+    net = bdl.lift(
+        torch.nn.Linear(DIM, 1, bias=False).double(),
+        bdl.priors.IIDNormal(PRIOR_SCALE, loc=PRIOR_MEAN),
+    )
 
-    def model(x, y):
+    def model(batch):
+        x, y = batch
         bdl.observe("y", dist.Normal(net(x).squeeze(-1), 1.0), y, NUM_DATA)
 
     return model
@@ -115,7 +154,7 @@ def _run(kernel, x, y, mean):
         initial_params={"weight": mean.reshape(1, DIM)},
         disable_progbar=True,
     )
-    mcmc.run(x, y)
+    mcmc.run(_loader(x, y))
     return mcmc.get_samples()["weight"].reshape(-1, DIM)
 
 
@@ -124,11 +163,19 @@ def _whitener(covariance):
     return lambda m: torch.linalg.solve_triangular(cholesky, m, upper=False)
 
 
-def _assert_whitened_moments(z, expected_covariance, bias):
-    """Mean 0 and covariance as expected, within 4 batch-means standard errors (+ bias)."""
+def _assert_whitened_moments(z, expected_covariance, bias, resolution=0.1):
+    """Mean 0 and covariance as expected, within 4 batch-means standard errors (+ bias),
+    entry by entry and pooled (the mean of the whitened variances), whose 4 standard
+    errors must be below ``resolution`` of the expected value (None: not checked)."""
     batches = z.reshape(NUM_BATCHES, -1, DIM)
     batch_covs = torch.einsum("bni,bnj->bij", batches, batches) / batches.shape[1]
     mean_se = batches.mean(1).std(0) / NUM_BATCHES**0.5
     cov_se = batch_covs.std(0) / NUM_BATCHES**0.5
     assert (z.mean(0).abs() < 4 * mean_se).all()
     assert ((z.T @ z / len(z) - expected_covariance).abs() < 4 * cov_se + bias).all()
+    pooled = batch_covs.diagonal(dim1=1, dim2=2).mean(1)
+    pooled_se = pooled.std(0) / NUM_BATCHES**0.5
+    expected_pooled = expected_covariance.diagonal().mean()
+    if resolution is not None:  # the resolution the module docstring claims
+        assert 4 * pooled_se < resolution * expected_pooled
+    assert (pooled.mean() - expected_pooled).abs() < 4 * pooled_se + bias

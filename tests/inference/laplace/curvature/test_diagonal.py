@@ -9,22 +9,19 @@ from torch.utils.data import DataLoader, TensorDataset
 import pyro_bdl as bdl
 from pyro_bdl.inference import LaplaceGuide
 
-laplace = pytest.importorskip("laplace")
-curvatures = pytest.importorskip("laplace.curvature")
-
 
 @pytest.mark.parametrize(
     "curvature, backend", [("diag_ggn", "BackPackGGN"), ("diag_ef", "BackPackEF")]
 )
-def test_matches_laplace_torch_on_an_mlp(curvature, backend, helpers):
+def test_matches_laplace_torch_on_an_mlp(curvature, backend, helpers, laplace_torch):
     network = helpers.mlp(bias=True)
     x, y = helpers.classification_data()
     prior_precision = 3.0
-    reference = laplace.DiagLaplace(
+    reference = laplace_torch.DiagLaplace(
         copy.deepcopy(network),
         "classification",
         prior_precision=prior_precision,
-        backend=getattr(curvatures, backend),
+        backend=getattr(laplace_torch.curvature, backend),
     )
     reference.fit(DataLoader(TensorDataset(x, y), batch_size=len(x)))
 

@@ -10,28 +10,28 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import LaplaceGuide
-from pyro_bdl.inference.laplace.curvature import DiagonalBlock, KronBlock
+from pyro_bdl.inference.laplace.curvature import DiagonalBlock, Kron, KronBlock
 from pyro_bdl.inference.laplace.jacobians import DenseGradient
 from pyro_bdl.models import DictLogits
 
-laplace = pytest.importorskip("laplace")
-curvatures = pytest.importorskip("laplace.curvature")
 
-
-def test_matches_laplace_torch_on_an_mlp(helpers):
+@pytest.mark.parametrize(
+    "fisher, backend", [("ggn", "CurvlinopsGGN"), ("ef", "CurvlinopsEF")], ids=["ggn", "ef"]
+)
+def test_matches_laplace_torch_on_an_mlp(fisher, backend, helpers, laplace_torch):
     # Without biases every site is a K-FAC layer (laplace-torch gives biases a dense
     # block, we a diagonal one).
     network = helpers.mlp(bias=False)
     x, y = helpers.classification_data()
-    reference = laplace.KronLaplace(
+    reference = laplace_torch.KronLaplace(
         copy.deepcopy(network),
         "classification",
         prior_precision=3.0,
-        backend=curvatures.CurvlinopsGGN,
+        backend=getattr(laplace_torch.curvature, backend),
     )
     reference.fit(DataLoader(TensorDataset(x, y), batch_size=len(x)))
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(3.0**-0.5))
-    guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
+    guide = LaplaceGuide(helpers.classifier(net), curvature=Kron(fisher=fisher))
     guide.fit(DataLoader(TensorDataset(x, y), batch_size=20), len(x), map=False, progress=False)
 
     assert all(isinstance(block, KronBlock) for block in guide._blocks)
@@ -49,7 +49,7 @@ def test_matches_laplace_torch_on_an_mlp(helpers):
         assert torch.allclose(ours, theirs, atol=1e-10 if link == "probit" else 0.02)
 
 
-def test_tokens_share_the_weight_by_the_expand_convention():
+def test_tokens_share_the_weight_by_the_expand_convention(helpers, laplace_torch):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -61,6 +61,7 @@ def test_tokens_share_the_weight_by_the_expand_convention():
         intermediate_size=32,
         max_position_embeddings=16,
         num_labels=3,
+        initializer_range=0.3,  # curvature of order 1 in every LoRA factor (0.02: 1e-7)
     )
     lora = peft.get_peft_model(
         transformers.BertForSequenceClassification(config),
@@ -68,7 +69,7 @@ def test_tokens_share_the_weight_by_the_expand_convention():
     )
     for name, param in lora.named_parameters():
         if "lora_B" in name:  # LoRA starts at B = 0; give the curvature something to see
-            torch.nn.init.normal_(param, std=0.3)
+            torch.nn.init.normal_(param, std=1.0)
         param.requires_grad_(param.requires_grad and not name.endswith("bias"))
     lora.eval()
     num_data, length = 24, 7
@@ -83,14 +84,15 @@ def test_tokens_share_the_weight_by_the_expand_convention():
     def collate(batch):
         return {key: torch.stack([row[key] for row in batch]) for key in batch[0]}
 
-    reference = laplace.KronLaplace(
+    # A prior precision of 0.1 under LoRA curvatures up to 3: the curvature dominates.
+    reference = laplace_torch.KronLaplace(
         DictLogits(copy.deepcopy(lora)),
         "classification",
-        prior_precision=4.0,
-        backend=curvatures.CurvlinopsGGN,
+        prior_precision=0.1,
+        backend=laplace_torch.curvature.CurvlinopsGGN,
     )
     reference.fit(DataLoader(rows, batch_size=num_data, collate_fn=collate))
-    net = bdl.lift(lora, prior=bdl.priors.IIDNormal(0.5))
+    net = bdl.lift(lora, prior=bdl.priors.IIDNormal(0.1**-0.5))
 
     def model(batch, num_data):
         logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -102,6 +104,19 @@ def test_tokens_share_the_weight_by_the_expand_convention():
         DataLoader(rows, batch_size=8, collate_fn=collate), num_data, map=False, progress=False
     )
     assert sum(isinstance(block, KronBlock) for block in guide._blocks) == 9  # 8 LoRA + head
+    # Factor by factor: each site's curvature (its precision less the prior) against
+    # laplace-torch's Kronecker block of that parameter, relative to its own size.
+    names = [name for name, p in reference.model.named_parameters() if p.requires_grad]
+    sizes = [p.numel() for p in reference.model.parameters() if p.requires_grad]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    curvature = reference.H.to_matrix()
+    for block in guide._blocks:
+        (site,) = block.sites
+        (index,) = [i for i, name in enumerate(names) if name.endswith("." + site)]
+        theirs = curvature[offsets[index] : offsets[index + 1], offsets[index] : offsets[index + 1]]
+        ours = helpers.dense_precision(block, guide.prior_precision) - 0.1 * torch.eye(len(theirs))
+        assert theirs.abs().max() > 0.1  # LoRA A factors reach 3, B factors 0.2 to 0.4
+        assert (ours - theirs).abs().max() < 1e-10 * theirs.abs().max()
     assert torch.allclose(
         guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4
     )
@@ -182,7 +197,7 @@ def test_the_fit_does_not_depend_on_the_batch_size(helpers):
     assert torch.allclose(torch.stack(evidences), evidences[0], rtol=1e-10)
 
 
-def test_a_convolution_is_factored_as_laplace_torch_does(helpers):
+def test_a_convolution_is_factored_as_laplace_torch_does(helpers, laplace_torch):
     torch.manual_seed(0)
     network = torch.nn.Sequential(
         torch.nn.Conv2d(2, 3, 3, padding=1, bias=False),
@@ -192,11 +207,11 @@ def test_a_convolution_is_factored_as_laplace_torch_does(helpers):
     )
     x = torch.randn(30, 2, 4, 4)
     _, y = helpers.classification_data(num_data=30)
-    reference = laplace.KronLaplace(
+    reference = laplace_torch.KronLaplace(
         copy.deepcopy(network),
         "classification",
         prior_precision=2.0,
-        backend=curvatures.CurvlinopsGGN,
+        backend=laplace_torch.curvature.CurvlinopsGGN,
     )
     reference.fit(DataLoader(TensorDataset(x, y), batch_size=30))
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(2.0**-0.5))
@@ -264,7 +279,7 @@ class _TwoHeads(torch.nn.Module):
         return self.left(hidden) + self.right(hidden)
 
 
-def test_layers_reading_one_input_share_one_input_factor(helpers):
+def test_layers_reading_one_input_share_one_input_factor(helpers, laplace_torch):
     x, y = helpers.classification_data()
     heads = ["left.weight", "right.weight"]
     net = bdl.lift(_TwoHeads(), bdl.priors.IIDNormal(1.0), random=heads)
@@ -276,8 +291,8 @@ def test_layers_reading_one_input_share_one_input_factor(helpers):
     module = copy.deepcopy(net.module)
     for name, param in module.named_parameters():
         param.requires_grad_(name in heads)
-    reference = laplace.KronLaplace(
-        module, "classification", prior_precision=1.0, backend=curvatures.CurvlinopsGGN
+    reference = laplace_torch.KronLaplace(
+        module, "classification", prior_precision=1.0, backend=laplace_torch.curvature.CurvlinopsGGN
     )
     reference.fit(DataLoader(TensorDataset(x, y), batch_size=len(x)))
     torch.testing.assert_close(
@@ -306,3 +321,28 @@ def test_factored_predictive_covariance_equals_the_dense_one(d_out, d_in, positi
     torch.testing.assert_close(
         block.output_covariance({"w": grad}, delta), block.output_covariance({"w": dense}, delta)
     )
+
+
+def test_monte_carlo_fisher_converges_to_the_ggn(helpers):
+    # For a softmax likelihood the Fisher is the GGN: the MC factors average the outer
+    # products of scores at sampled labels, 60 examples x 400 labels here, so each
+    # entry of the output factor is off by about 1 / sqrt(24000) < 1 % of its scale.
+    network = helpers.mlp(bias=False)
+    x, y = helpers.classification_data()
+    net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
+    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    fits = {}
+    for name, curvature in [("ggn", "kron"), ("mc", Kron(fisher="mc", num_samples=400))]:
+        torch.manual_seed(0)
+        guide = LaplaceGuide(helpers.classifier(net), curvature=curvature)
+        fits[name] = guide.fit(loader, len(x), map=False, progress=False)
+    for exact, sampled in zip(fits["ggn"]._blocks, fits["mc"]._blocks):
+        delta = fits["ggn"].prior_precision
+        exact_matrix = helpers.dense_precision(exact, delta)
+        sampled_matrix = helpers.dense_precision(sampled, delta)
+        identity = torch.eye(len(exact_matrix))  # the prior precision, 1
+        exact_matrix, sampled_matrix = exact_matrix - identity, sampled_matrix - identity
+        error = (sampled_matrix - exact_matrix).norm() / exact_matrix.norm()
+        assert 1e-4 < error < 0.05  # sampled, not exact, and converging
+    evidence = [fits[name].log_marginal_likelihood() for name in ("ggn", "mc")]
+    assert torch.allclose(*evidence, rtol=0.01)
