@@ -26,11 +26,12 @@ import numpy as np
 import pyro
 import torch
 import xarray as xr
-from pyro.infer import MCMC, Predictive
+from pyro.infer import MCMC
 from pyro.poutine.util import site_is_subsample
 
 import pyro_bdl
 from pyro_bdl._checks import function, instance, integer
+from pyro_bdl._draws import kept_draws
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.chains import Chains
 from pyro_bdl.inference.sgmcmc.checkpoint import read_state
@@ -75,7 +76,8 @@ def to_arviz(
         stores are opened lazily (dask-backed, merged by chain) with the groups
         ``posterior`` and ``sample_stats``, so :func:`pyro_bdl.diagnostics.summary`
         streams them from disk.
-    :param int num_samples: draws to take from a guide (stored as chain 0).
+    :param int num_samples: draws to take from a guide (stored as chain 0), each copied to
+        the CPU as it is drawn: the device holds one draw, whatever ``num_samples``.
     :param callable model: the Pyro model, for ``log_likelihood`` and
         ``posterior_predictive`` (default: the kernel's model).
     :param model_args: the model's arguments for those groups; DataLoaders are iterated
@@ -241,17 +243,11 @@ def _read_source(source, num_samples, model, model_args, model_kwargs, seed, gro
             raise ValueError("to_arviz(guide): pass num_samples=<number of draws>")
         with torch.random.fork_rng():
             pyro.set_rng_seed(seed)
-            predictive = Predictive(source, num_samples=num_samples, parallel=False)
-            draws = predictive(
-                *_first_batch(model_args, model_kwargs)[0],
-                **_first_batch(model_args, model_kwargs)[1],
+            draws = kept_draws(
+                lambda: _guide_draw(source, *_first_batch(model_args, model_kwargs)),
+                num_samples,
             )
-        latent = _latent_names(source)
-        samples = {
-            name: value.detach().cpu().numpy()[np.newaxis]
-            for name, value in draws.items()
-            if latent is None or name in latent
-        }
+        samples = {name: value.numpy()[np.newaxis] for name, value in draws.items()}
         approximation = {
             name: value.detach().cpu().numpy()
             for name, value in source.approximation_parameters().items()
@@ -357,6 +353,21 @@ def _checked_draws(source: Mapping, grouped_by_chain: bool) -> dict[str, np.ndar
 
 def _first_batch(model_args, model_kwargs):
     return Minibatches(tuple(model_args), model_kwargs).peek()
+
+
+def _guide_draw(guide, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """One draw of the guide's latent sites (on its device: kept_draws moves it)."""
+    with torch.no_grad():
+        trace = pyro.poutine.trace(guide).get_trace(*args, **kwargs)
+    latent = _latent_names(guide)
+    return {
+        name: site["value"]
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and not site["is_observed"]
+        and not site_is_subsample(site)
+        and (latent is None or name in latent)
+    }
 
 
 def _latent_names(guide) -> set[str] | None:

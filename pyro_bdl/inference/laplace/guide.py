@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from pyro_bdl import distributed
 from pyro_bdl._checks import function, instance, integer, one_of, real
+from pyro_bdl._draws import kept_draws
 from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
 from pyro_bdl.inference.laplace.jacobians import DenseGradient, ModelJacobians
@@ -326,9 +327,8 @@ class LaplaceGuide(AutoGuide):
             examples seen, the ModelJacobians).
         """
         jacobians = ModelJacobians(model, values)
-        leaves = list(jacobians.values.values())
         log_likelihood, seen, num_data = 0.0, 0, None
-        score = [torch.zeros_like(leaf) for leaf in leaves] if gradient else None
+        score = [torch.zeros_like(v) for v in jacobians.values.values()] if gradient else None
         bar = tqdm(
             batches.one_pass(),
             total=batches.batches_per_epoch,
@@ -337,26 +337,18 @@ class LaplaceGuide(AutoGuide):
             leave=False,
         )
         for args, kwargs in bar:
-            run = jacobians(args, kwargs)
-            observation = run.observation
-            if num_data is not None and observation.num_data != num_data:
+            batch_log_likelihood, batch_num_data, examples = self._batch(
+                jacobians, args, kwargs, curvature, score
+            )
+            if num_data is not None and batch_num_data != num_data:
                 raise ValueError(
                     f"the observed site's num_data changed between batches ({num_data} then "
-                    f"{observation.num_data}); pass num_data=<size of the training set> to "
+                    f"{batch_num_data}); pass num_data=<size of the training set> to "
                     "bdl.observe"
                 )
-            num_data = observation.num_data
-            if curvature is not None:
-                columns = observation.columns(curvature.fisher, curvature.num_samples)
-                curvature.update(run.gradients(columns))
-            batch_log_likelihood = observation.log_likelihood()
-            if gradient:
-                grads = torch.autograd.grad(batch_log_likelihood, leaves, allow_unused=True)
-                for total, grad in zip(score, grads):
-                    if grad is not None:
-                        total += grad
-            log_likelihood = log_likelihood + batch_log_likelihood.detach()
-            seen += observation.num_examples
+            num_data = batch_num_data
+            log_likelihood = log_likelihood + batch_log_likelihood
+            seen += examples
         # data-parallel (torchrun): every rank passed over its shard; add the passes up
         if curvature is not None:
             curvature.synchronise()
@@ -368,6 +360,30 @@ class LaplaceGuide(AutoGuide):
         if score is not None:
             score = {name: total * scale for name, total in zip(jacobians.values, score)}
         return log_likelihood * scale, score, num_data, seen, jacobians
+
+    @staticmethod
+    def _batch(jacobians, args, kwargs, curvature, score) -> tuple[torch.Tensor, int, int]:
+        """One batch of :meth:`_pass`: its log likelihood, ``num_data`` and size.
+
+        Adds the batch's curvature to ``curvature`` (if given) and its log likelihood's
+        gradient to ``score`` (if given). The run and its graph live only in this call:
+        held into the next batch's forward, they would double the activations' memory.
+        """
+        run = jacobians(args, kwargs)
+        observation = run.observation
+        log_likelihood = observation.log_likelihood()
+        if score is not None:  # first: the curvature's backward frees the run's graph
+            leaves = list(jacobians.values.values())
+            grads = torch.autograd.grad(
+                log_likelihood, leaves, allow_unused=True, retain_graph=curvature is not None
+            )
+            for total, grad in zip(score, grads):
+                if grad is not None:
+                    total += grad
+        if curvature is not None:
+            columns = observation.columns(curvature.fisher, curvature.num_samples)
+            curvature.update(run.gradients(columns))
+        return log_likelihood.detach(), observation.num_data, observation.num_examples
 
     def _log_joint_gradient(self, score, values) -> dict[str, torch.Tensor]:
         """The log joint's gradient: the likelihood's plus the normal prior's."""
@@ -587,13 +603,34 @@ class LaplaceGuide(AutoGuide):
         return draws
 
     def sample_posterior(
-        self, num_samples: int, generator: torch.Generator | None = None
+        self,
+        num_samples: int,
+        generator: torch.Generator | None = None,
+        device: str | torch.device | None = None,
     ) -> dict[str, torch.Tensor]:
-        """``num_samples`` joint draws of every site, shaped ``(num_samples, *shape)``."""
+        """``num_samples`` joint draws of every site, shaped ``(num_samples, *shape)``.
+
+        :param int num_samples: how many.
+        :param generator: random generator of the noise.
+        :param device: where to keep the draws. None: on the guide's device, all drawn at
+            once. Given (``"cpu"`` for a large model on a GPU), one draw at a time, each
+            copied there before the next: the guide's device holds one draw, whatever
+            ``num_samples``.
+        """
         self._check_fitted()
         num_samples = integer("num_samples", num_samples, low=1)
         if generator is not None:
             instance("generator", generator, torch.Generator, "a torch.Generator or None")
+        if device is not None:
+            instance("device", device, (str, torch.device), "a device such as 'cpu', or None")
+
+            def one_draw() -> dict[str, torch.Tensor]:
+                return {name: draw[0] for name, draw in self._draw(1, generator).items()}
+
+            return kept_draws(one_draw, num_samples, device)
+        return self._draw(num_samples, generator)
+
+    def _draw(self, num_samples: int, generator) -> dict[str, torch.Tensor]:
         noise = {
             name: torch.randn(
                 num_samples,

@@ -415,12 +415,14 @@ class Linearization:
         """The likelihood of the run's observed site."""
         return self._run.observation()
 
-    def gradients(self, columns: torch.Tensor) -> dict[str, SiteGradient]:
+    def gradients(self, columns: torch.Tensor, keep_graph: bool = False) -> dict[str, SiteGradient]:
         """Per-example gradients of ``columns[c] . output`` for every latent site.
 
-        Call it once per run: the recorded calls are released as it returns.
+        Call it once per run: the recorded calls are released as it returns, and so is
+        the run's autograd graph unless ``keep_graph``.
 
         :param torch.Tensor columns: ``(m, *output.shape)``.
+        :param bool keep_graph: keep the graph, to differentiate the run again.
         """
         if self._calls is None:
             raise RuntimeError("Linearization.gradients: already called for this run")
@@ -428,7 +430,9 @@ class Linearization:
         factored_sites = self._factored_sites()
         calls = [c for c in self._calls if factored_sites & {c.weight_site, c.bias_site}]
         unverified = [s for s in factored_sites if s not in jacobians.factored_verified]
-        output_grads, references = self._backward(calls, unverified, columns) if calls else ([], {})
+        output_grads, references = (
+            self._backward(calls, unverified, columns, keep_graph) if calls else ([], {})
+        )
         per_site = self._factored(factored_sites, calls, output_grads)
         for site, reference in references.items():
             summed = per_site[site].total(0)
@@ -446,12 +450,14 @@ class Linearization:
         self._calls = None
         return per_site
 
-    def _backward(self, calls: list[_Call], leaves: list[str], columns: torch.Tensor):
+    def _backward(self, calls: list[_Call], leaves: list[str], columns: torch.Tensor, keep_graph):
         """Every column's gradient at each call's output, and column 0's at the ``leaves``.
 
         One backward pass for all columns (``is_grads_batched``: autograd vmapped over
         the cotangents), or one per column where an operation has no batching rule. The
-        graph is kept: the caller may differentiate the run again.
+        graph's saved activations are freed as the last pass goes (as in training),
+        unless ``keep_graph``: a graph still held when the next batch runs would double
+        the activations' memory.
 
         :return: per call, the gradients ``(m, *output.shape)``; site -> leaf gradient.
         """
@@ -465,9 +471,8 @@ class Linearization:
                         self.output,
                         targets,
                         columns,
-                        # the caller may differentiate the run again (the log likelihood's
-                        # gradient for the mode check), and a failed try needs the fallback
-                        retain_graph=True,
+                        # a first try that fails needs the graph for the fallback
+                        retain_graph=keep_graph or jacobians._batched_backward is None,
                         allow_unused=True,
                         is_grads_batched=True,
                     )
@@ -487,7 +492,7 @@ class Linearization:
                 self.output,
                 targets if c == 0 else targets[: len(calls)],
                 columns[c],
-                retain_graph=True,
+                retain_graph=keep_graph or c < len(columns) - 1,
                 allow_unused=True,
             )
             per_column.append(grads)

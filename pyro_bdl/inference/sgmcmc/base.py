@@ -49,6 +49,7 @@ from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl import distributed
 from pyro_bdl._checks import function, instance, integer, real
+from pyro_bdl._draws import copied_to
 from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
@@ -446,7 +447,7 @@ class SGMCMCKernel(MCMCKernel):
             }
             if device is None:
                 return {name: value.clone() for name, value in values.items()}
-            return _copied_to(values, torch.device(device))
+            return copied_to(values, torch.device(device))
 
     def get_draws(self) -> dict[str, torch.Tensor]:
         """The draws kept so far by this kernel: name -> ``(num_draws, *shape)``, on the CPU."""
@@ -667,21 +668,6 @@ class _FlatBuffers:
             start = offsets[key]
             self.views.append(flat_of[key][start : start + t.numel()].view(t.shape))
             offsets[key] = start + t.numel()
-
-
-def _copied_to(values: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Copies of ``values`` on ``device``: one flat transfer per dtype (a transfer from a
-    GPU waits for the device, so one per site would wait once per site)."""
-    copies = {}
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name, value in values.items():
-        by_dtype.setdefault(value.dtype, []).append(name)
-    for names in by_dtype.values():
-        # torch.cat always copies, even of one tensor already on the device.
-        flat = torch.cat([values[n].reshape(-1) for n in names]).to(device)
-        for name, part in zip(names, flat.split([values[n].numel() for n in names])):
-            copies[name] = part.view(values[name].shape)
-    return {name: copies[name] for name in values}
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -42,3 +42,25 @@ def test_a_posterior_fitted_on_the_cpu_is_a_prior_on_the_gpu(helpers, curvature)
     draws = distribution.rsample((4,))
     assert draws.is_cuda and draws.shape == (4, 3, 8)
     assert distribution.log_prob(draws).is_cuda
+
+
+def test_draws_kept_on_the_cpu_do_not_grow_gpu_memory(helpers):
+    net = bdl.lift(helpers.mlp().cuda(), prior=bdl.priors.IIDNormal(0.5))
+    x, y = helpers.classification_data()
+    guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
+    loader = DataLoader(TensorDataset(x.cuda(), y.cuda()), batch_size=20)
+    guide.fit(loader, len(x), map=False, progress=False)
+    guide.sample_posterior(1)  # the eigendecompositions, once
+
+    def peak(num_samples, device):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        draws = guide.sample_posterior(num_samples, device=device)
+        torch.cuda.synchronize()
+        assert all(len(value) == num_samples for value in draws.values())
+        assert all(value.device.type == ("cpu" if device else "cuda") for value in draws.values())
+        return torch.cuda.max_memory_allocated() - before
+
+    assert peak(200, "cpu") <= peak(20, "cpu") + 4096
+    assert peak(200, None) > 5 * peak(20, "cpu")  # drawn at once on the GPU, it grows

@@ -160,3 +160,16 @@ def test_errors_name_the_argument_and_the_fix(helpers, linear_gaussian):
         LaplaceGuide(helpers.classifier(net), curvature="kron").fit(
             DataLoader(TensorDataset(x, y), batch_size=20), 60, map=False, progress=False
         )
+
+
+def test_draws_kept_on_a_device_are_the_draws_made_one_at_a_time(helpers):
+    guide, _, _, _ = fitted(helpers, "kron")
+    kept = guide.sample_posterior(5, torch.Generator().manual_seed(3), device="cpu")
+    generator = torch.Generator().manual_seed(3)
+    one_by_one = [guide.sample_posterior(1, generator) for _ in range(5)]
+    for name, value in kept.items():
+        assert value.device.type == "cpu" and value.shape[0] == 5
+        expected = torch.cat([draw[name] for draw in one_by_one])
+        torch.testing.assert_close(value, expected, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="device must be"):
+        guide.sample_posterior(2, device=0)
