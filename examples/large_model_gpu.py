@@ -141,7 +141,7 @@ measured("MAP fine-tuning", start)
 # -- K-FAC Laplace on the adapters: one pass for the factors, the evidence for the prior -----
 # The output layer's LoRA B is (vocabulary x rank): its output-side factor, vocabulary x
 # vocabulary, would take 3.7 GB at 30,522 words; K-FAC keeps factors wider than
-# Kron(max_dense=4096) as rank-64 sketches, never dense.
+# Kron(max_dense=1024), the hidden states' included, as rank-64 sketches, never dense.
 start = time.perf_counter()
 guide = LaplaceGuide(lora.model, curvature="kron")
 guide.fit(train_loader, num_data, map=theta_map, mode_tolerance=None)  # at the checkpoint

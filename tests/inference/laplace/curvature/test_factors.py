@@ -151,3 +151,16 @@ def test_factors_wider_than_max_dense_are_sketched(helpers, data_rank, exact):
         torch.testing.assert_close(sketched, dense)
     else:  # truncation drops curvature: the log determinant can only fall
         assert sketched > dense and math.isfinite(float(sketched))
+
+
+@pytest.mark.parametrize("width, dense", [(1024, True), (1025, False)])
+def test_default_kron_sketches_factors_wider_than_1024(helpers, width, dense):
+    # The default keeps BERT-sized factors exact and a Llama's hidden-state factor sketched
+    # at rank 64: a dense 4096-wide factor per q/v adapter would outweigh LoRA training.
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, width, generator=generator), torch.randint(0, 2, (8,))
+    net = bdl.lift(torch.nn.Sequential(torch.nn.Linear(width, 2, bias=False)))
+    guide = LaplaceGuide(helpers.classifier(net), curvature=Kron())
+    guide.fit(DataLoader(TensorDataset(x, y), batch_size=4), 8, map=False, progress=False)
+    held = guide.curvature.memory()["0.weight"] - 2 * 2  # less the 2 x 2 output factor
+    assert held == (width * width if dense else 2 * width * (2 * 64 + 8))
