@@ -5,9 +5,11 @@ all-MiniLM-L6-v2 with LoRA adapters is fine-tuned on 128 SST-2 sentences for 10 
 the regime of the papers in which MAP fine-tuning fits its small training set and is
 overconfident on new sentences. Every method follows the documented recipes:
 
-- training (BLoB's Table 3): AdamW at peak learning rate 1e-3 (MiniLM is small), linear
-  warm-up over 6% of the steps then linear decay, the same steps and batch size for MAP
-  (decoupled weight decay 1e-5) and BLoB (:mod:`pyro_bdl.inference.baselines`);
+- training (BLoB's Table 3): AdamW at peak learning rate 3e-3, linear warm-up over 6% of
+  the steps then linear decay, the same steps and batch size for MAP (decoupled weight
+  decay 1e-5) and BLoB (:mod:`pyro_bdl.inference.baselines`). At 3e-3 the 80 steps fit
+  the 128 sentences (MAP train accuracy 1.0), the papers' regime; at 1e-3 they stop at
+  0.77, where MAP is still underfit and not overconfident;
 - Laplace-LoRA: K-FAC GGN at the MAP, the prior precision of every weight tensor by the
   evidence (the network lifted with a fan-in-scaled prior), and the predictive's link
   chosen on validation sentences; the test sentences are only scored.
@@ -70,7 +72,7 @@ class DemoSettings:
     lora_test: int = 256
     lora_epochs: int = 10
     lora_batch_size: int = 16
-    lora_lr: float = 1e-3
+    lora_lr: float = 3e-3
 
     @classmethod
     def quick(cls) -> DemoSettings:
