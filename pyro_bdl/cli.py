@@ -85,6 +85,11 @@ def _parser() -> _Parser:
         default="cpu",
         help="where the networks run: cpu (laptop-scale sizes) or cuda (the papers' sizes)",
     )
+    experiment.add_argument(
+        "--epochs",
+        type=int,
+        help="train every fine-tune this many epochs (calibration: an ablation of the length)",
+    )
     return parser
 
 
@@ -112,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 datasets=args.datasets,
                 methods=args.methods,
                 device=args.device,
+                epochs=args.epochs,
             )
     except (ValueError, FileNotFoundError) as error:  # bad names, malformed data: one line
         sys.exit(f"pyro-bdl: error: {error}")

@@ -31,4 +31,9 @@ def run_experiment(name: str, **options) -> dict:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
     module = importlib.import_module(EXPERIMENTS[name])
+    if options.get("epochs") is not None and "epochs" not in getattr(module, "OPTIONS", ()):
+        raise ValueError(
+            f"--epochs: the {name} experiment sets a training length per method (see its "
+            "module docstring); only calibration takes --epochs"
+        )
     return module.run(Experiment(name=name, **options))

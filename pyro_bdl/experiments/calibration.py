@@ -63,6 +63,7 @@ Run::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 from pathlib import Path
 
@@ -99,6 +100,10 @@ from pyro_bdl.models import DictLogits
 from pyro_bdl.plots import reliability_diagram
 
 __all__ = ["run", "FULL", "PAPER", "QUICK", "METHODS"]
+
+#: The :class:`~pyro_bdl.experiments.runner.Experiment` options this experiment takes
+#: beyond the common ones.
+OPTIONS = ("epochs",)
 
 METHODS = (
     "MLE",
@@ -187,6 +192,11 @@ def run(experiment: Experiment) -> dict:
 def _run(experiment: Experiment) -> dict:
     """Run the grid of datasets x methods x seeds; write the results, tables and figures."""
     specs = QUICK if experiment.quick else PAPER if experiment.on_gpu else FULL
+    if experiment.epochs is not None:
+        specs = {
+            name: dataclasses.replace(spec, epochs=experiment.epochs, steps=None)
+            for name, spec in specs.items()
+        }
     settings = {**METHOD, **(QUICK_METHOD if experiment.quick else {})}
     datasets = experiment.selected("datasets", specs)
     methods = experiment.selected("methods", METHODS)
@@ -204,8 +214,15 @@ def _run(experiment: Experiment) -> dict:
     }
     cells: dict[str, dict[str, dict[int, dict]]] = {}
     extras: dict[str, dict[str, dict[int, dict]]] = {}
+    # another training length is another fine-tune: its own checkpoints and cells
+    length = () if experiment.epochs is None else (f"epochs={experiment.epochs}",)
     for dataset, task in tasks.items():
-        fits = _Fits(experiment.out / "checkpoints" / dataset, task, settings, experiment.device)
+        fits = _Fits(
+            experiment.out / "checkpoints" / "__".join((dataset, *length)),
+            task,
+            settings,
+            experiment.device,
+        )
         for seed in experiment.seeds:
             for method in methods:
                 if method == "LA-torch" and (
@@ -214,7 +231,7 @@ def _run(experiment: Experiment) -> dict:
                     continue
                 compute = _METHODS[method]
                 cell = experiment.cell(
-                    (dataset, method, seed),
+                    (dataset, method, seed, *length),
                     lambda compute=compute, fits=fits, seed=seed: compute(fits, seed),
                 )
                 print(f"{dataset} {method} seed {seed}: {cell['wall_time_s']:.0f} s", flush=True)

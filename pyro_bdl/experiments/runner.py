@@ -40,6 +40,9 @@ class Experiment:
     :param methods: restrict to these methods (None: all).
     :param str device: where the networks run (``"cpu"``, ``"cuda"``, ``"cuda:1"``); the
         experiments that have them use their full-size settings on a GPU.
+    :param int epochs: train every fine-tune for this many epochs instead of the
+        experiment's own number (an ablation of the training length; only experiments
+        whose module lists ``"epochs"`` in ``OPTIONS`` take it).
     """
 
     name: str
@@ -50,6 +53,7 @@ class Experiment:
     datasets: Sequence[str] | None = None
     methods: Sequence[str] | None = None
     device: str = "cpu"
+    epochs: int | None = None
     settings: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
@@ -62,6 +66,8 @@ class Experiment:
                 "the datasets (e.g. ../shared/data)"
             )
         self.device = resolve_device(self.device)
+        if self.epochs is not None and not (isinstance(self.epochs, int) and self.epochs > 0):
+            raise ValueError(f"--epochs: a positive number of epochs, got {self.epochs!r}")
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "cells").mkdir(exist_ok=True)
 
