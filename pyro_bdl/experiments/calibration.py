@@ -486,15 +486,11 @@ def _blob(fits: _Fits, seed: int) -> dict:
             "labels": labels,
         }
     (member,) = predictor.members
-    return {"rows": rows, "blob": {"scales": _scales(member.guide_params)}}
-
-
-def _scales(guide_params: dict) -> dict[str, float]:
-    """BLoB's standard deviations Omega = G^2 after training: mean and max over entries."""
-    omega = torch.cat(
-        [value.square().flatten() for name, value in guide_params.items() if "scale" in name]
-    )
-    return {"mean": float(omega.mean()), "max": float(omega.max())}
+    omega = member.guide.stddevs()  # BLoB's Omega = G^2 after training
+    return {
+        "rows": rows,
+        "blob": {"scales": {"mean": float(omega.mean()), "max": float(omega.max())}},
+    }
 
 
 def _ivon(fits: _Fits, seed: int) -> dict:

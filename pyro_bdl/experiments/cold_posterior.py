@@ -440,9 +440,7 @@ class _Runner:
         with torch.no_grad():
             args, kwargs = batches.peek()
             draws = [guide(*args, **kwargs) for _ in range(self.settings["weight_draws"])]
-            scales = torch.cat(
-                [guide.get_posterior(name).stddev.flatten() for name in guide.site_names]
-            )
+            scales = guide.stddevs()
         samples = {name: torch.stack([d[name] for d in draws]) for name in draws[0]}
         # The check that the temperature acted: the learned standard deviations moved.
         scale = {

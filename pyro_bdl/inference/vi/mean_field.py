@@ -324,6 +324,19 @@ class MeanFieldGuide(AutoGuide):
         return results
 
     @torch.no_grad()
+    def stddevs(self) -> torch.Tensor:
+        """Every site's posterior standard deviation in one flat CPU vector (sites in order).
+
+        Whether training moved the scales (a temperature acted, a KL widened the
+        posterior) shows in its mean against the starting scale::
+
+            float(guide.stddevs().mean())
+        """
+        self._require_setup()
+        _, scales = self._locs_and_scales()
+        return torch.cat([scale.detach().flatten().cpu() for scale in scales.values()])
+
+    @torch.no_grad()
     def approximation_parameters(self) -> dict[str, torch.Tensor]:
         """Mean and standard deviation of every site, keys ``"<site>.loc"``, ``"<site>.scale"``."""
         self._require_setup()

@@ -198,3 +198,18 @@ def test_unsupported_sites_and_arguments_are_errors_naming_the_fix():
         MeanFieldGuide(local_site, temperature=-1.0)
     with pytest.raises(RuntimeError, match="call it once"):
         MeanFieldGuide(local_site).approximation_parameters()
+
+
+def test_stddevs_are_every_sites_scale_in_one_vector():
+    layer, model = _lifted_linear()
+    guide = MeanFieldGuide(model, init_scale=0.02)
+    guide()
+    _, raw = guide.variational_parameters()
+    with torch.no_grad():
+        raw["bias"].add_(1.0)  # the exp parametrisation: the bias's sd becomes 0.02 e
+    parameters = guide.approximation_parameters()
+    bias = parameters["bias.scale"]
+    torch.testing.assert_close(bias, torch.full_like(bias, 0.02 * math.e))
+    expected = torch.cat([parameters[f"{name}.scale"].flatten() for name in guide.site_names])
+    torch.testing.assert_close(guide.stddevs(), expected)
+    assert guide.stddevs().numel() == layer.weight.numel() + layer.bias.numel()
