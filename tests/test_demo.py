@@ -17,7 +17,7 @@ def test_quick_demo_writes_its_results(tmp_path, capsys, shared_data):
     lora = {"MAP", "BLoB (N=10)", "BLoB (N=0, mean weights)"}
     assert set(results["lora_methods"]) - lora in [{f"Laplace-LoRA ({link})"} for link in links]
     blob = results["lora_methods"]["BLoB (N=10)"]
-    assert blob["initial_sd"] == pytest.approx(0.05**2)  # the paper's eps, squared
+    assert blob["initial_sd_range"] == pytest.approx([0.05**2 / 2, 0.05**2])  # eps = 0.05
     assert blob["posterior_sd"] > 0 and f"{blob['posterior_sd']:.4f}" in printed
     assert 0 <= results["lora_methods"]["MAP"]["train_accuracy"] <= 1
     for name, values in {**results["methods"], **results["lora_methods"]}.items():
