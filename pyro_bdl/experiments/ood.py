@@ -17,6 +17,11 @@ Samoan from English measures how well it flags the unknown language. The methods
   the last draw of each (a Bayesian deep ensemble, the paper's parallel SGHMC).
 - **SGHMC (serial)**: one chain from the MAP as long as the four together, 8 draws
   evenly spaced along it (the paper's serial SGHMC).
+- **ENS**: a deep ensemble of 4 MAP fine-tunes, each from its own initialisation and
+  batch order (the seed's MAP and 3 more): the paper's parallel SGHMC at T = 0.
+- **SGHMC-ensemble**: one SGHMC epoch at T = 1 from each member of ENS, the last draw of
+  each: parallel SGHMC as the paper runs it, trajectories from independent starts (the
+  chains of **SGHMC (parallel)** above all start at the one MAP).
 - **BLoB** (the same recipe, 10 draws) and **LA** (the Laplace recipe of
   :func:`~pyro_bdl.experiments.lora_finetune.laplace`: K-FAC GGN at the MAP, per-tensor
   evidence-tuned prior, 100 draws of the linearised predictive's logits; the link is fixed
@@ -29,7 +34,8 @@ are chosen so that a full run of 3 seeds takes about 90 minutes on two CPU cores
 
 Outputs in ``--out``: ``results.json``, ``ood.md`` (the table), ``ood_hist.png`` (TU and
 EU of MAP and the SGHMC methods on English and Samoan, the paper's Figures 7 and 10),
-``ood_hist_laplace_blob.png`` (the same for LA and BLoB), ``cells/`` and ``checkpoints/``.
+``ood_hist_ensembles.png`` (ENS and SGHMC-ensemble), ``ood_hist_laplace_blob.png`` (LA
+and BLoB), ``cells/`` and ``checkpoints/``.
 
 Run::
 
@@ -68,7 +74,7 @@ from pyro_bdl.plots import plot_uncertainty_histograms
 
 __all__ = ["run", "FULL", "QUICK", "METHODS"]
 
-METHODS = ("MAP", "SGHMC-serial", "SGHMC-parallel", "BLoB", "LA")
+METHODS = ("MAP", "SGHMC-serial", "SGHMC-parallel", "ENS", "SGHMC-ensemble", "BLoB", "LA")
 
 #: The full run: about 90 minutes for 3 seeds with one CPU core.
 FULL = {
@@ -158,17 +164,37 @@ def _flores(data_dir, count: int | None) -> dict[str, RecordDataset]:
     return sentences
 
 
+class _Fits:
+    """A seed's MAP fine-tunes, from disk when already made: the seed's own and the members'.
+
+    Member ``i > 0`` of seed ``s`` starts from its own initialisation and batch order
+    (seed ``s + 1000 i``); member 0 is the seed's MAP, which every other method starts from.
+    """
+
+    def __init__(self, task: Task, seed: int, experiment: Experiment):
+        self.task, self.seed, self.experiment = task, seed, experiment
+        self.map = self.member(0)
+
+    def member(self, index: int) -> dict[str, torch.Tensor]:
+        name = "map.pt" if index == 0 else f"map_member{index}.pt"
+        path = self.experiment.out / "checkpoints" / f"seed{self.seed}" / name
+        seed, device = self.seed + 1000 * index, self.experiment.device
+        return checkpoint(
+            path, lambda: fine_tune_map(Network(self.task, seed, device), self.task, seed), device
+        )
+
+    def members(self, count: int) -> list[dict[str, torch.Tensor]]:
+        return [self.member(index) for index in range(count)]
+
+
 def _score(method, task, sentences, seed, settings, experiment) -> dict:
     """One method and seed: its draws' probabilities on both languages and on SST-2."""
     pyro.clear_param_store()
-    device = experiment.device
-    path = experiment.out / "checkpoints" / f"seed{seed}" / "map.pt"
-    theta_map = checkpoint(
-        path, lambda: fine_tune_map(Network(task, seed, device), task, seed), device
-    )
-    network = Network(task, seed, device)
+    # the MAP first: the network below is then seeded alike for every method
+    fits = _Fits(task, seed, experiment)
+    network = Network(task, seed, experiment.device)
     pyro.set_rng_seed(seed)
-    draws = _DRAWS[method](network, task, theta_map, seed, settings)
+    draws = _DRAWS[method](network, task, fits, seed, settings)
     result = {}
     probs, labels = predict(draws, task.test_loader())
     result["sst2"] = evaluate(probs, labels)
@@ -179,37 +205,55 @@ def _score(method, task, sentences, seed, settings, experiment) -> dict:
     return result
 
 
-def _map(network, task, theta_map, seed, settings):
-    return point_draws(network.model, [theta_map])
+def _map(network, task, fits, seed, settings):
+    return point_draws(network.model, [fits.map])
 
 
-def _serial(network, task, theta_map, seed, settings):
+def _serial(network, task, fits, seed, settings):
     """One chain from the MAP, draws evenly spaced along it."""
     steps = settings["chains"] * task.steps_per_epoch
-    return _sghmc(network, task, theta_map, seed, settings, 1, steps, settings["serial_draws"])
+    chain = _sghmc(
+        network, task, fits.map, 1000 * seed, settings, 1, steps, settings["serial_draws"]
+    )
+    return point_draws(network.model, chain)
 
 
-def _parallel(network, task, theta_map, seed, settings):
+def _parallel(network, task, fits, seed, settings):
     """Chains from the MAP, one epoch each, the last draw of each."""
     steps = task.steps_per_epoch
-    return _sghmc(network, task, theta_map, seed, settings, settings["chains"], steps, 1)
-
-
-def _sghmc(network, task, theta_map, seed, settings, num_chains, steps, num_samples):
-    chains = sghmc_chains(
-        network.model,
-        task,
-        theta_map,
-        num_chains=num_chains,
-        steps=steps,
-        num_samples=num_samples,
-        seed=1000 * seed,
-        **settings["sghmc"],
-    )
+    chains = _sghmc(network, task, fits.map, 1000 * seed, settings, settings["chains"], steps, 1)
     return point_draws(network.model, chains)
 
 
-def _blob(network, task, theta_map, seed, settings):
+def _ensemble(network, task, fits, seed, settings):
+    """The MAP fine-tunes of independent initialisations and batch orders (T = 0)."""
+    return point_draws(network.model, fits.members(settings["chains"]))
+
+
+def _sghmc_ensemble(network, task, fits, seed, settings):
+    """One chain from each member of the ensemble, one epoch, the last draw of each."""
+    draws = []
+    for index, start in enumerate(fits.members(settings["chains"])):
+        draws += _sghmc(
+            network, task, start, 1000 * seed + index, settings, 1, task.steps_per_epoch, 1
+        )
+    return point_draws(network.model, draws)
+
+
+def _sghmc(network, task, start, chain_seed, settings, num_chains, steps, num_samples):
+    return sghmc_chains(
+        network.model,
+        task,
+        start,
+        num_chains=num_chains,
+        steps=steps,
+        num_samples=num_samples,
+        seed=chain_seed,
+        **settings["sghmc"],
+    )
+
+
+def _blob(network, task, fits, seed, settings):
     model = network.blob_model()
     network.train()
     predictor = baselines.blob(
@@ -226,9 +270,9 @@ def _blob(network, task, theta_map, seed, settings):
     return predictor
 
 
-def _la(network, task, theta_map, seed, settings):
+def _la(network, task, fits, seed, settings):
     # the epistemic split needs logit draws: the link is "mc", not chosen
-    guide, _ = laplace(network.model, task, theta_map, settings["marglik_steps"], links=("mc",))
+    guide, _ = laplace(network.model, task, fits.map, settings["marglik_steps"], links=("mc",))
     return laplace_draws(guide, settings["laplace_samples"], seed)
 
 
@@ -236,6 +280,8 @@ _DRAWS = {
     "MAP": _map,
     "SGHMC-serial": _serial,
     "SGHMC-parallel": _parallel,
+    "ENS": _ensemble,
+    "SGHMC-ensemble": _sghmc_ensemble,
     "BLoB": _blob,
     "LA": _la,
 }
@@ -289,6 +335,7 @@ def _histograms(cells: dict, experiment: Experiment) -> None:
 
     figures = {
         "ood_hist.png": ("MAP", "SGHMC-serial", "SGHMC-parallel"),
+        "ood_hist_ensembles.png": ("ENS", "SGHMC-ensemble"),
         "ood_hist_laplace_blob.png": ("LA", "BLoB"),
     }
     for name, methods in figures.items():

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from pyro_bdl.experiments import run_experiment
 from pyro_bdl.experiments.ood import METHODS, QUICK
@@ -37,7 +38,20 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
             if method == "MAP":
                 assert means["epistemic"] == 0
 
-    for figure in ("ood_hist.png", "ood_hist_laplace_blob.png"):
+    # the ensemble's members are fine-tunes of their own (initialisation, batch order),
+    # the first of them the seed's MAP
+    fits = tmp_path / "checkpoints" / "seed0"
+    members = [torch.load(fits / "map.pt")] + [
+        torch.load(fits / f"map_member{i}.pt") for i in range(1, QUICK["chains"])
+    ]
+    assert all(
+        not torch.equal(members[0][site], other[site]) for other in members[1:] for site in other
+    )
+    for method in ("ENS", "SGHMC-ensemble"):
+        for means in results["per_seed"][method][0]["mean_uncertainty"].values():
+            assert means["epistemic"] > 0, method
+
+    for figure in ("ood_hist.png", "ood_hist_ensembles.png", "ood_hist_laplace_blob.png"):
         assert (tmp_path / figure).read_bytes()[:8] == PNG_MAGIC
     assert "| SGHMC-parallel |" in (tmp_path / "ood.md").read_text()
 
