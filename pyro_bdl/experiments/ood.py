@@ -29,8 +29,9 @@ Samoan from English measures how well it flags the unknown language. The methods
 
 Each method also reports accuracy and NLL on the SST-2 test subset (the check that the
 fine-tune worked, the paper's "loss on English statements"). Sizes (``FULL``, ``QUICK``)
-are chosen so that a full run of 3 seeds takes about 90 minutes on two CPU cores; with
-``--device cuda`` the fine-tune uses 8,192 SST-2 sentences and all 1,012 FLORES sentences.
+are chosen so that a full run of 3 seeds takes about 85 minutes of one CPU core (a third
+of it the ensemble's extra fine-tunes); with ``--device cuda`` the fine-tune uses 8,192
+SST-2 sentences and all 1,012 FLORES sentences.
 
 Outputs in ``--out``: ``results.json``, ``ood.md`` (the table), ``ood_hist.png`` (TU and
 EU of MAP and the SGHMC methods on English and Samoan, the paper's Figures 7 and 10),
@@ -76,7 +77,7 @@ __all__ = ["run", "FULL", "QUICK", "METHODS"]
 
 METHODS = ("MAP", "SGHMC-serial", "SGHMC-parallel", "ENS", "SGHMC-ensemble", "BLoB", "LA")
 
-#: The full run: about 90 minutes for 3 seeds with one CPU core.
+#: The full run: about 85 minutes of one CPU core for 3 seeds.
 FULL = {
     "task": TaskSpec("sst2", 1024, 300, max_length=64, batch_size=32, validation_size=200),
     "flores_sentences": 400,
