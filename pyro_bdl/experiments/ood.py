@@ -185,7 +185,7 @@ class _Fits:
         )
 
     def members(self, count: int) -> list[dict[str, torch.Tensor]]:
-        return [self.member(index) for index in range(count)]
+        return [self.map] + [self.member(index) for index in range(1, count)]
 
 
 def _score(method, task, sentences, seed, settings, experiment) -> dict:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import pyro_bdl
+from pyro_bdl._checks import integer
 
 __all__ = ["Experiment", "markdown_table", "mean_sd", "resolve_device", "describe_device"]
 
@@ -66,8 +67,8 @@ class Experiment:
                 "the datasets (e.g. ../shared/data)"
             )
         self.device = resolve_device(self.device)
-        if self.epochs is not None and not (isinstance(self.epochs, int) and self.epochs > 0):
-            raise ValueError(f"--epochs: a positive number of epochs, got {self.epochs!r}")
+        if self.epochs is not None:
+            self.epochs = integer("--epochs", self.epochs, low=1)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "cells").mkdir(exist_ok=True)
 
