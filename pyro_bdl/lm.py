@@ -166,10 +166,8 @@ def token_uncertainty(
             logits = condition_on_sites(model, draw, strict=True)(batch, num_data)
             shifted = _checked_logits(logits, input_ids.shape, "token_uncertainty")[:, :-1]
             del logits
-            if every:
-                running.add(shifted)
-            elif scored.any():  # the scored positions only: the last word is one of L
-                running.add(shifted[scored.to(shifted.device)])
+            if scored.any():  # the scored positions only: the last word is one of L
+                running.add(shifted, None if every else scored)
     result = torch.full((4, *labels.shape), float("nan"), dtype=running.dtype)
     if running.count:
         values = running.result(targets)
@@ -278,34 +276,62 @@ def generate(
 
 
 class _Running:
-    """Sums over draws of next-token distributions: of the probabilities and the entropies."""
+    """Sums over draws of next-token distributions: of the probabilities and the entropies.
+
+    Each draw's logits are taken a slice of rows at a time (about ``CHUNK`` numbers), so
+    that the softmax and entropy temporaries are a slice, not another ``(B, L, V)``: what is
+    held is the draw's logits and the sums.
+    """
+
+    #: Numbers per slice of the logits that the softmax and entropy work on at once.
+    CHUNK = 2**22
 
     def __init__(self):
         self.count = 0
         self.probs = self.entropy = None
         self.dtype = torch.float32
+        self.averaged = False
 
-    def add(self, logits: torch.Tensor) -> None:
-        """One draw's logits ``(..., V)`` (float32 at least)."""
-        probs = torch.softmax(logits, dim=-1)
-        entropy = _entropy(probs)
+    def add(self, logits: torch.Tensor, scored: torch.Tensor | None = None) -> None:
+        """One draw's logits ``(B, ..., V)``, at the positions ``scored`` ``(B, ...)`` or all."""
         if self.probs is None:
-            self.probs, self.entropy, self.dtype = probs, entropy, probs.dtype
-        else:
-            self.probs += probs
-            self.entropy += entropy
+            rows = logits.shape[:-1] if scored is None else (int(scored.sum()),)
+            self.dtype = torch.promote_types(logits.dtype, torch.float32)
+            self.probs = logits.new_zeros(*rows, logits.shape[-1], dtype=self.dtype)
+            self.entropy = logits.new_zeros(rows, dtype=self.dtype)
+        offset = 0
+        for rows in _slices(logits, self.CHUNK):
+            part = logits[rows] if scored is None else logits[rows][scored[rows].to(logits.device)]
+            probs = torch.softmax(part.to(self.dtype), dim=-1)
+            end = offset + len(probs)
+            self.probs[offset:end] += probs
+            self.entropy[offset:end] += _entropy(probs)
+            offset = end
         self.count += 1
+
+    def mean(self) -> torch.Tensor:
+        """:math:`\\bar p`, the model average (the sum divided in place, once: no more draws)."""
+        if not self.averaged:
+            self.probs.div_(self.count)
+            self.averaged = True
+        return self.probs
 
     def result(self, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """TU, AU, EU and the NLL of ``labels`` under the mean, shaped like ``labels``."""
-        mean = self.probs / self.count
-        total = _entropy(mean)
+        mean = self.mean()
+        total = torch.cat([_entropy(mean[rows]) for rows in _slices(mean, self.CHUNK)])
         aleatoric = self.entropy / self.count
         # a mutual information is non-negative; rounding of the two sums can cross zero
         epistemic = (total - aleatoric).clamp_min(0.0)
         label = mean.gather(-1, labels.to(mean.device)[..., None]).squeeze(-1)
         nll = -label.clamp_min(torch.finfo(mean.dtype).tiny).log()
         return total, aleatoric, epistemic, nll
+
+
+def _slices(tensor: torch.Tensor, size: int) -> list[slice]:
+    """Slices of the first dimension of ``tensor`` holding about ``size`` numbers each."""
+    step = max(1, size // max(1, tensor[0].numel()))
+    return [slice(start, start + step) for start in range(0, len(tensor), step)]
 
 
 def _reduce(value: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -367,7 +393,7 @@ class _Decoder:
         new_tokens, scores = [], []
         for _ in trange(max_new_tokens, desc="tokens", disable=not progress):
             running = self.step(inputs, caches)
-            mean = running.probs / running.count
+            mean = running.mean()
             if do_sample:
                 tempered = torch.softmax(mean.clamp_min(torch.finfo(mean.dtype).tiny).log()
                                          / temperature, dim=-1)  # fmt: skip
@@ -462,7 +488,7 @@ def _labels(batch: Mapping, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _checked_logits(logits: object, shape: torch.Size | None, caller: str) -> torch.Tensor:
-    """Next-token logits ``(B, L, V)`` (of the batch's ``(B, L)`` where known), float32 at least."""
+    """Next-token logits ``(B, L, V)`` (of the batch's ``(B, L)`` where known), checked."""
     fits = torch.is_tensor(logits) and logits.dim() == 3 and logits.is_floating_point()
     if fits and shape is not None:
         fits = tuple(logits.shape[:2]) == tuple(shape)
@@ -473,8 +499,6 @@ def _checked_logits(logits: object, shape: torch.Size | None, caller: str) -> to
             f"{caller}: the model must return next-token logits shaped {expected} + (V,), got "
             f"{got}; pass a causal language model (lora_model(path, 'causal_lm').model)"
         )
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        return logits.float()
     return logits
 
 

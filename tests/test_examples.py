@@ -22,6 +22,7 @@ CASES = {
     "cnn_lstm_imdb": (True, ["cold_posterior.png", "results.json"]),
     "continual_learning": (True, ["continual.png", "results.json"]),
     "large_model_gpu": (True, ["memory.png", "results.json"]),
+    "bayesian_llm_generation": (True, ["generation.png", "results.json"]),
 }
 SLOW = {"lora_classification"}
 # These load all-MiniLM-L6-v2 or its tokenizer, from the ``minilm`` extra.

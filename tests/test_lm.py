@@ -87,8 +87,11 @@ def _materialised(lora, batch, samples):
     return scored, split, nll
 
 
-def test_streaming_equals_the_materialised_decomposition_and_tu_is_au_plus_eu():
+@pytest.mark.parametrize("chunk", [2**22, 30])  # a slice of rows at a time, or a row or two
+def test_streaming_equals_the_materialised_decomposition_and_tu_is_au_plus_eu(chunk, monkeypatch):
+    monkeypatch.setattr(lm._Running, "CHUNK", chunk)
     lora, batch = _lora(), _batch()
+    batch["labels"][3, 2] = -100  # scored positions that are not all of them
     samples = _draws(lora, 5, scale=0.5)
     scores = lm.token_uncertainty(lora.model, batch, NUM_DATA, samples=samples)
     scored, split, nll = _materialised(lora, batch, samples)
