@@ -37,8 +37,9 @@ def predict_proba(
     """Softmax of the logits ``model(*args)`` returns, one per weight draw.
 
     Give either ``samples`` (a dict of draws, e.g. ``mcmc.get_samples()``, each
-    ``(S, *shape)``, on any device, or an ArviZ posterior: see
-    :func:`pyro_bdl._draws.num_draws`) or a ``guide`` with ``num_samples``; with neither
+    ``(S, *shape)``, on any device, as tensors or NumPy arrays; or an ArviZ posterior whose
+    variables are ``(chain, draw, *shape)``, such as ``bdl.to_arviz(checkpoint_dir)``) or a
+    ``guide`` with ``num_samples``; with neither
     the model runs once at the values Pyro's handlers give it (e.g. inside
     ``net.fixed(...)``). The observation site is left unobserved and ignored: only the
     returned logits count.
@@ -55,13 +56,13 @@ def predict_proba(
     :return: probabilities ``(S, batch, classes)``.
     """
     function("model", model, "a callable Pyro model returning logits")
-    num_draws = posterior_size("predict_proba", samples, guide, num_samples)
+    count = posterior_size("predict_proba", samples, guide, num_samples)
     with torch.no_grad():
-        if num_draws is None:
+        if count is None:
             logits = pyro.poutine.trace(model).get_trace(*args, **kwargs).nodes["_RETURN"]
             return torch.softmax(_checked_logits(logits["value"]), dim=-1).unsqueeze(0)
         draws = []
-        for i in range(num_draws):
+        for i in range(count):
             if samples is not None:
                 logits = condition_on_sites(model, draw_at(samples, i))(*args, **kwargs)
             else:
@@ -89,8 +90,9 @@ def posterior_size(
 ) -> int | None:
     """The number of draws a call with ``samples`` or ``guide`` makes (None: neither), checked.
 
-    The arguments of every function that predicts under a posterior: ``samples`` (see
-    :func:`pyro_bdl._draws.num_draws`) or a ``guide`` with ``num_samples``, not both.
+    The arguments of every function that predicts under a posterior: ``samples`` (draws
+    ``site -> (S, *shape)``, or an ArviZ posterior ``(chain, draw, *shape)``) or a
+    ``guide`` with ``num_samples``, not both.
 
     :param str caller: the public function, named in the errors.
     """
