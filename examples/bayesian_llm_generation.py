@@ -11,9 +11,9 @@ data brings out. The script:
    small byte-level Llama trained here on a book for a minute (nothing is downloaded);
 2. runs four SGHMC chains on the LoRA adapters of its attention layers, fine-tuning on
    English sentences (FLORES-200 ``dev``);
-3. generates a continuation of an English and of a Samoan prompt, prints every token with
-   its TU, AU and EU, and plots them (``generation.png``); ``results.json`` keeps the text
-   and the numbers.
+3. samples a continuation of an English and of a Samoan prompt from the model average,
+   prints every token with its TU, AU and EU, and plots them (``generation.png``);
+   ``results.json`` keeps the text and the numbers.
 
     python examples/bayesian_llm_generation.py --data-dir ../shared/data --out results/gen
 
@@ -152,7 +152,16 @@ figure = Figure(figsize=(11, 5.5), dpi=110, layout="constrained")
 axes = figure.subplots(len(PROMPTS), 1)
 for ax, (language, prompt) in zip(axes, PROMPTS.items()):
     ids = torch.tensor([tokenizer.encode(prompt)])
-    output = lm.generate(lora.model, ids, samples=samples, max_new_tokens=new_tokens)
+    # sampled from the model average at temperature 0.7 (do_sample=False: greedy)
+    output = lm.generate(
+        lora.model,
+        ids,
+        samples=samples,
+        max_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=0.7,
+        generator=torch.Generator().manual_seed(0),
+    )
     new = output.sequences[0, ids.shape[1] :].tolist()
     tokens = [tokenizer.decode([token]) for token in new]
     scores = {name: value[0].tolist() for name, value in output.uncertainty._asdict().items()}
@@ -166,7 +175,7 @@ for ax, (language, prompt) in zip(axes, PROMPTS.items()):
     ax.bar(steps, scores["aleatoric"], label="aleatoric (AU)", color="tab:blue")
     ax.bar(steps, scores["epistemic"], bottom=scores["aleatoric"], label="epistemic (EU)",
            color="tab:red")  # fmt: skip
-    ax.set_xticks(list(steps), [repr(t)[1:-1] for t in tokens], fontsize=7)
+    ax.set_xticks(list(steps), [repr(t)[1:-1].replace(" ", "␣") for t in tokens], fontsize=7)
     mean_eu = sum(scores["epistemic"]) / len(tokens)
     ax.set(ylabel="nats", title=f"{language}: {prompt!r} (mean EU {mean_eu:.3f})")
 axes[0].legend(fontsize="small")

@@ -87,7 +87,16 @@ from pyro_bdl.data import CausalLMCollator, TokenWindows, load, make_loader
 from pyro_bdl.experiments.lora_finetune import _quiet, checkpoint, single_thread
 from pyro_bdl.experiments.ood import LANGUAGES, _auroc
 from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
-from pyro_bdl.inference import SGHMC, BLoBGuide, Chains, Kron, LaplaceGuide, fit_blob, fit_map
+from pyro_bdl.inference import (
+    SGHMC,
+    BLoBGuide,
+    Chains,
+    DivergenceError,
+    Kron,
+    LaplaceGuide,
+    fit_blob,
+    fit_map,
+)
 from pyro_bdl.lift import lift
 from pyro_bdl.models import BayesianNet, NextToken, lora_model
 from pyro_bdl.plots import plot_uncertainty_histograms
@@ -104,25 +113,25 @@ TRAIN_SPLIT, TEST_SPLIT = "dev", "devtest"
 
 SETTINGS = {
     "full": {
-        "vocab_size": 2048,
+        "vocab_size": 259,
         "hidden_size": 128,
         "intermediate_size": 344,
         "num_layers": 4,
         "num_heads": 4,
         "window": 128,
-        "base_steps": 1500,
-        "base_batch_size": 16,
+        "base_steps": 1000,
+        "base_batch_size": 32,
         "base_learning_rate": 3e-3,
         "validation_sentences": 200,
-        "max_length": 64,
+        "max_length": 128,
         "test_sentences": 500,
-        "context": 48,
+        "context": 64,
         "lora": {"rank": 8, "alpha": 32, "dropout": 0.0},
         "prior_scale": 0.2,
         "batch_size": 16,
-        "epochs": 10,
+        "epochs": 5,
         "friction": 1.0,
-        "step_sizes": (0.003, 0.01, 0.03, 0.1),
+        "step_sizes": (3e-4, 1e-3, 3e-3, 1e-2),
         "blob_learning_rates": (1e-3, 3e-3, 1e-2),
         "chains": 10,
         "serial_draws": 10,
@@ -132,7 +141,7 @@ SETTINGS = {
         "eval_batch_size": 64,
     },
     "quick": {
-        "vocab_size": 300,
+        "vocab_size": 259,
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_layers": 2,
@@ -142,15 +151,15 @@ SETTINGS = {
         "base_batch_size": 8,
         "base_learning_rate": 3e-3,
         "validation_sentences": 16,
-        "max_length": 24,
+        "max_length": 48,
         "test_sentences": 24,
-        "context": 16,
+        "context": 24,
         "lora": {"rank": 2, "alpha": 8, "dropout": 0.0},
         "prior_scale": 0.2,
         "batch_size": 8,
         "epochs": 1,
         "friction": 1.0,
-        "step_sizes": (0.01, 0.1),
+        "step_sizes": (1e-3, 1e4),  # the second diverges: a candidate that blows up
         "blob_learning_rates": (3e-3,),
         "chains": 2,
         "serial_draws": 2,
@@ -310,16 +319,8 @@ class _Data:
         """Prompt (its last ``context`` tokens) + the first token of the word, scored there."""
         rows = []
         for prompt, word in cuts:
-            prompt_ids = self.ids(prompt).tolist()
-            full = self.ids(f"{prompt} {word}").tolist()
-            # the word's first token as it is tokenized in the sentence (a leading space
-            # merges into it); where the prompt's own tokens change, the word alone
-            target = (
-                full[len(prompt_ids)]
-                if full[: len(prompt_ids)] == prompt_ids
-                else self.ids(" " + word).tolist()[len(self.bos)]
-            )
-            rows.append(prompt_ids[-self.settings["context"] :] + [target])
+            context, target = self._next_token(prompt, word)
+            rows.append(context[-self.settings["context"] :] + [target])
         batches = []
         size = self.settings["eval_batch_size"]
         for start in range(0, len(rows), size):
@@ -330,6 +331,23 @@ class _Data:
             scored[torch.arange(len(part)), last] = batch["labels"][torch.arange(len(part)), last]
             batches.append({**batch, "labels": scored})
         return batches
+
+    def _next_token(self, prompt: str, word: str) -> tuple[list[int], int]:
+        """The tokens before the word's first token, and that token.
+
+        The word's first token as the sentence is tokenized: with a BPE tokenizer the
+        leading space merges into it (`` Paris``, the paper's next token); with bytes the
+        space is a token of its own, which joins the context, and the first letter is the
+        token scored. Where the prompt's own tokens change at the join, the word alone.
+        """
+        prompt_ids = self.ids(prompt).tolist()
+        full = self.ids(f"{prompt} {word}").tolist()
+        if full[: len(prompt_ids)] != prompt_ids:
+            full = prompt_ids + self.ids(" " + word).tolist()[len(self.bos) :]
+        start = len(prompt_ids)
+        while start < len(full) - 1 and not self.tokenizer.decode(full[start]).strip():
+            start += 1
+        return full[:start], full[start]
 
     def sizes(self) -> dict:
         train_tokens = sum(len(ids) for ids in self.train)
@@ -501,28 +519,37 @@ def _train_tokenizer(texts: Sequence[str], vocab_size: int):
 
 
 class _Choices:
-    """SGD's step size and BLoB's learning rate, each by the validation loss at seed 0."""
+    """SGD's step size and BLoB's learning rate, each by the validation loss at seed 0.
+
+    A candidate that diverges has no loss (None) and is not chosen.
+    """
 
     def __init__(self, experiment: Experiment, data: _Data, settings: Mapping):
-        self.losses: dict[str, dict[str, float]] = {"SGD": {}, "BLoB": {}}
-        for step_size in settings["step_sizes"]:
-            cell = experiment.cell(
-                ("flores", "choice", "SGD", f"step_size={step_size}"),
-                lambda step_size=step_size: _Cell(data, self, 0).validation("SGD", step_size),
-            )
-            self.losses["SGD"][str(step_size)] = cell["validation_loss"]
+        self.losses: dict[str, dict[str, float]] = {}
+        grids = {"SGD": settings["step_sizes"], "BLoB": settings["blob_learning_rates"]}
+        for method, grid in grids.items():
+            self.losses[method] = {
+                str(value): experiment.cell(
+                    ("flores", "choice", method, f"value={value}"),
+                    lambda method=method, value=value: self._candidate(data, method, value),
+                )["validation_loss"]
+                for value in grid
+            }
         self.step_size = _best(self.losses["SGD"])
-        for lr in settings["blob_learning_rates"]:
-            cell = experiment.cell(
-                ("flores", "choice", "BLoB", f"lr={lr}"),
-                lambda lr=lr: _Cell(data, self, 0).validation("BLoB", lr),
-            )
-            self.losses["BLoB"][str(lr)] = cell["validation_loss"]
         self.blob_learning_rate = _best(self.losses["BLoB"])
+
+    def _candidate(self, data: _Data, method: str, value: float) -> dict:
+        try:
+            return _Cell(data, self, 0).validation(method, value)
+        except (DivergenceError, ValueError) as error:
+            # a run that blew up: SGHMC's own check, or the likelihood's of its logits
+            if isinstance(error, ValueError) and "invalid values" not in str(error):
+                raise
+            return {"validation_loss": None, "diverged": str(error).splitlines()[0]}
 
 
 def _best(losses: Mapping[str, float]) -> float:
-    finite = {value: loss for value, loss in losses.items() if math.isfinite(loss)}
+    finite = {v: loss for v, loss in losses.items() if loss is not None and math.isfinite(loss)}
     if not finite:
         raise RuntimeError(f"lm-ood: every candidate diverged on validation: {dict(losses)}")
     return float(min(finite, key=finite.get))
