@@ -6,7 +6,7 @@ import math
 import pytest
 
 from pyro_bdl.experiments import run_experiment
-from pyro_bdl.experiments.lm_ood import METHODS, SETTINGS, last_word
+from pyro_bdl.experiments.lm_ood import METHODS, SETTINGS, last_word, sghmc_parameters
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -24,16 +24,16 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     ]  # fmt: skip
     assert all(".layers.1." in target for target in settings["lora_targets"])
     # the step size by the validation loss; the candidate that blew up has none
-    assert settings["step_size"] == SETTINGS["quick"]["step_sizes"][0]
+    assert settings["learning_rate"] == SETTINGS["quick"]["learning_rates"][0]
     losses = settings["validation_losses"]["SGD"]
-    assert set(losses) == {str(s) for s in SETTINGS["quick"]["step_sizes"]}
-    assert losses[str(SETTINGS["quick"]["step_sizes"][1])] is None
+    assert set(losses) == {str(s) for s in SETTINGS["quick"]["learning_rates"]}
+    assert losses[str(SETTINGS["quick"]["learning_rates"][1])] is None
     # the base and its tokenizer are a Hugging Face directory
     assert (tmp_path / "base" / "config.json").exists()
     assert (tmp_path / "base" / "tokenizer.json").exists()
 
     table = results["table"]
-    assert list(table) == list(METHODS)
+    assert list(table) == list(METHODS) == list(results["first_token_table"])
     uniform = math.log(SETTINGS["quick"]["vocab_size"])
     for method, row in table.items():
         assert 0 <= row["AUROC TU"]["mean"] <= 1 and row["AUROC TU"]["sd"] == 0
@@ -47,6 +47,7 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
         cell = json.loads(next((tmp_path / "cells").glob(f"flores__{method}__0.json")).read_text())
         for language in ("english", "samoan"):
             scores = cell[language]
+            assert len(scores["total"]) == len(scores["first"]["total"])
             assert len(scores["total"]) == settings["sizes"]["test_sentences"]
             for tu, au, eu in zip(scores["total"], scores["aleatoric"], scores["epistemic"]):
                 assert eu >= 0 and tu == pytest.approx(au + eu, abs=1e-5), method
@@ -87,3 +88,11 @@ def test_only_flores_known_methods_and_a_model_directory(tmp_path, shared_data):
 )
 def test_last_word(text, expected):
     assert last_word(text) == expected
+
+
+@pytest.mark.parametrize("learning_rate, momentum", [(0.01, 0.9), (0.3, 0.5)])
+def test_sghmc_parameters_give_sgd_at_the_learning_rate_and_momentum(learning_rate, momentum):
+    # SGHMC at T = 0 is SGD with momentum 1 - eps alpha and steady steps eps / alpha
+    step_size, friction = sghmc_parameters(learning_rate, momentum)
+    assert step_size * friction == pytest.approx(1 - momentum)
+    assert step_size / friction == pytest.approx(learning_rate)
