@@ -11,9 +11,11 @@ data brings out. The script:
    small byte-level Llama trained here on a book for a minute (nothing is downloaded);
 2. runs four SGHMC chains on the LoRA adapters of its attention layers, fine-tuning on
    English sentences (FLORES-200 ``dev``);
-3. samples a continuation of an English and of a Samoan prompt from the model average,
-   prints every token with its TU, AU and EU, and plots them (``generation.png``);
-   ``results.json`` keeps the text and the numbers.
+3. scores an English and a Samoan prompt token by token (``pyro_bdl.lm.token_uncertainty``:
+   the Samoan one, unlike the fine-tuning data, should carry more EU), samples a
+   continuation of each from the model average, prints every new token with its TU, AU
+   and EU, and plots them (``generation.png``); ``results.json`` keeps the text and the
+   numbers.
 
     python examples/bayesian_llm_generation.py --data-dir ../shared/data --out results/gen
 
@@ -47,7 +49,7 @@ out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
 torch.manual_seed(0)
 pyro.set_rng_seed(0)
-base_steps, sentences, epochs, new_tokens = (3, 32, 1, 8) if args.quick else (600, 600, 4, 40)
+base_steps, sentences, epochs, new_tokens = (3, 32, 1, 8) if args.quick else (1000, 600, 4, 40)
 PROMPTS = {
     "English": "The scientists said that the new results",
     "Samoan": "Na faapea mai le au saienitisi o faaiuga fou",
@@ -103,7 +105,9 @@ else:
     book = data.load("books", args.data_dir, "train", book="1342")[0]["text"][:400_000]
     pretraining = windows(tokenizer.encode(book))
     loader = torch.utils.data.DataLoader(pretraining, 16, shuffle=True, collate_fn=collate)
-    whole = bdl.lift(base, prior=bdl.priors.IIDNormal(100.0))  # every weight, a flat prior
+    # every weight, a flat prior; the prefix keeps site names off "model.", which Pyro's
+    # AutoDelta (fit_map's guide) would store on its own .model attribute, untrained
+    whole = bdl.lift(base, prior=bdl.priors.IIDNormal(100.0), prefix="llm.")
     values = fit_map(
         BayesianNet(whole, NextToken()),
         loader,
@@ -135,8 +139,10 @@ def fresh_adapters(chain: int) -> dict:
     return lora.net.init_values()
 
 
+# step size eps and friction alpha: at T = 0 this is SGD with momentum 1 - eps alpha = 0.9 and
+# learning rate eps / alpha = 1e-3 on the per-sentence loss; T = 1 samples the posterior
 chains = Chains(
-    SGHMC(lora.model, step_size=0.01, friction=1.0, temperature=1.0),
+    SGHMC(lora.model, step_size=0.01, friction=10.0, temperature=1.0),
     num_samples=1,
     warmup_steps=epochs * len(loader) - 1,
     num_chains=4,
@@ -165,19 +171,37 @@ for ax, (language, prompt) in zip(axes, PROMPTS.items()):
     new = output.sequences[0, ids.shape[1] :].tolist()
     tokens = [tokenizer.decode([token]) for token in new]
     scores = {name: value[0].tolist() for name, value in output.uncertainty._asdict().items()}
-    print(f"\n{language}: {prompt!r} -> {tokenizer.decode(new)!r}")
+    # the prompt itself, scored token by token: text unlike the fine-tuning data
+    prompt_scores = lm.token_uncertainty(
+        lora.model, {"input_ids": ids}, len(train), samples=samples
+    )
+    reading = {name: float(value[0].nanmean()) for name, value in prompt_scores._asdict().items()}
+    print(
+        f"\n{language} prompt, mean per token: TU {reading['total']:.3f}, "
+        f"EU {reading['epistemic']:.3f}, loss {reading['nll']:.3f} nats"
+    )
+    print(f"{language}: {prompt!r} -> {tokenizer.decode(new)!r}")
     print(f"{'token':>8} {'TU':>6} {'AU':>6} {'EU':>6}")
     for i, token in enumerate(tokens):
         tu, au, eu = (scores[name][i] for name in ("total", "aleatoric", "epistemic"))
         print(f"{token!r:>8} {tu:6.3f} {au:6.3f} {eu:6.3f}")
-    results[language] = {"prompt": prompt, "continuation": tokenizer.decode(new), **scores}
+    results[language] = {
+        "prompt": prompt,
+        "prompt_mean": reading,
+        "continuation": tokenizer.decode(new),
+        **scores,
+    }
     steps = range(len(tokens))
     ax.bar(steps, scores["aleatoric"], label="aleatoric (AU)", color="tab:blue")
     ax.bar(steps, scores["epistemic"], bottom=scores["aleatoric"], label="epistemic (EU)",
            color="tab:red")  # fmt: skip
     ax.set_xticks(list(steps), [repr(t)[1:-1].replace(" ", "␣") for t in tokens], fontsize=7)
     mean_eu = sum(scores["epistemic"]) / len(tokens)
-    ax.set(ylabel="nats", title=f"{language}: {prompt!r} (mean EU {mean_eu:.3f})")
+    ax.set(
+        ylabel="nats",
+        title=f"{language}: {prompt!r} (mean EU: prompt {reading['epistemic']:.3f}, "
+        f"generated {mean_eu:.3f})",
+    )
 axes[0].legend(fontsize="small")
 figure.suptitle("Per-token uncertainty of generated text: TU = AU + EU (parallel SGHMC, 4 draws)")
 figure.savefig(out / "generation.png")

@@ -137,7 +137,7 @@ SETTINGS = {
         "batch_size": 16,
         "epochs": 5,
         "momentum": 0.9,
-        "learning_rates": (3e-3, 1e-2, 3e-2, 1e-1),
+        "learning_rates": (1e-4, 3e-4, 1e-3, 3e-3),
         "blob_learning_rates": (1e-3, 3e-3, 1e-2, 3e-2),
         "chains": 10,
         "serial_draws": 10,
@@ -181,6 +181,8 @@ _QUICK_BOOK_CHARACTERS = 20_000
 _QUICK_TRAIN_SENTENCES = 48
 #: The most tokens of a last word that are scored (longer words: their first ones).
 _MAX_WORD_TOKENS = 16
+#: Before every site name of the base's weights (see _BaseTrainer._train_base).
+_SITE_PREFIX = "llm."
 
 
 def run(experiment: Experiment) -> dict:
@@ -494,8 +496,12 @@ class _BaseTrainer:
         )
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        # every weight a site of a flat prior, fitted by maximum likelihood
-        model = BayesianNet(lift(module, prior=IIDNormal(100.0)), NextToken())
+        # every weight a site of a flat prior, fitted by maximum likelihood. The prefix:
+        # Pyro's AutoDelta (fit_map's guide) stores a site's value at the attribute path of
+        # its name, and a name starting "model." lands on the guide's own .model, where it
+        # is never trained (every weight but the LM head would stay at its initialisation)
+        net = lift(module, prior=IIDNormal(100.0), prefix=_SITE_PREFIX)
+        model = BayesianNet(net, NextToken())
         values = fit_map(
             model,
             loader,
@@ -505,7 +511,7 @@ class _BaseTrainer:
             mle=True,
             progress=sys.stderr.isatty(),
         )
-        with model.net.fixed(values):
+        with net.fixed(values):
             module.save_pretrained(self.directory)
 
 

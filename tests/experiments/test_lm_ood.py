@@ -4,6 +4,8 @@ import json
 import math
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from pyro_bdl.experiments import run_experiment
 from pyro_bdl.experiments.lm_ood import METHODS, SETTINGS, last_word, sghmc_parameters
@@ -28,9 +30,14 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     losses = settings["validation_losses"]["SGD"]
     assert set(losses) == {str(s) for s in SETTINGS["quick"]["learning_rates"]}
     assert losses[str(SETTINGS["quick"]["learning_rates"][1])] is None
-    # the base and its tokenizer are a Hugging Face directory
-    assert (tmp_path / "base" / "config.json").exists()
+    # the base and its tokenizer are a Hugging Face directory, every weight trained (a
+    # site named "model.*" is left untrained by Pyro's AutoDelta: the base lifts with a prefix)
     assert (tmp_path / "base" / "tokenizer.json").exists()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    torch.manual_seed(0)
+    fresh = type(base)(base.config)
+    for name, weight in fresh.named_parameters():
+        assert not torch.equal(weight, base.get_parameter(name)), name
 
     table = results["table"]
     assert list(table) == list(METHODS) == list(results["first_token_table"])
