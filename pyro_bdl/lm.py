@@ -168,6 +168,7 @@ def token_uncertainty(
             del logits
             if scored.any():  # the scored positions only: the last word is one of L
                 running.add(shifted, None if every else scored)
+            del shifted  # before the next draw's forward: one draw's logits at a time
     result = torch.full((4, *labels.shape), float("nan"), dtype=running.dtype)
     if running.count:
         values = running.result(targets)
