@@ -105,9 +105,7 @@ else:
     book = data.load("books", args.data_dir, "train", book="1342")[0]["text"][:400_000]
     pretraining = windows(tokenizer.encode(book))
     loader = torch.utils.data.DataLoader(pretraining, 16, shuffle=True, collate_fn=collate)
-    # every weight, a flat prior; the prefix keeps site names off "model.", which Pyro's
-    # AutoDelta (fit_map's guide) would store on its own .model attribute, untrained
-    whole = bdl.lift(base, prior=bdl.priors.IIDNormal(100.0), prefix="llm.")
+    whole = bdl.lift(base, prior=bdl.priors.IIDNormal(100.0))  # every weight, a flat prior
     values = fit_map(
         BayesianNet(whole, NextToken()),
         loader,

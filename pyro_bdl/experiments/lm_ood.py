@@ -181,8 +181,6 @@ _QUICK_BOOK_CHARACTERS = 20_000
 _QUICK_TRAIN_SENTENCES = 48
 #: The most tokens of a last word that are scored (longer words: their first ones).
 _MAX_WORD_TOKENS = 16
-#: Before every site name of the base's weights (see _BaseTrainer._train_base).
-_SITE_PREFIX = "llm."
 
 
 def run(experiment: Experiment) -> dict:
@@ -496,11 +494,8 @@ class _BaseTrainer:
         )
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
-        # every weight a site of a flat prior, fitted by maximum likelihood. The prefix:
-        # Pyro's AutoDelta (fit_map's guide) stores a site's value at the attribute path of
-        # its name, and a name starting "model." lands on the guide's own .model, where it
-        # is never trained (every weight but the LM head would stay at its initialisation)
-        net = lift(module, prior=IIDNormal(100.0), prefix=_SITE_PREFIX)
+        # every weight a site of a flat prior, fitted by maximum likelihood
+        net = lift(module, prior=IIDNormal(100.0))
         model = BayesianNet(net, NextToken())
         values = fit_map(
             model,

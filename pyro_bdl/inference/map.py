@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import warnings
 from collections.abc import Callable, Mapping
 
 import pyro
+import pyro.distributions as dist
 import torch
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoDelta
+from pyro.infer.autoguide import AutoDelta, AutoGuide
+from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
+from pyro.nn import PyroModule, PyroParam
+from pyro.ops.tensor_utils import periodic_repeat
 from pyro.poutine.messenger import Messenger
 from tqdm.auto import trange
 
@@ -169,7 +174,9 @@ def adam_at_prior_scale(
 
     :param dict prior_scales: latent site -> prior standard deviation.
     """
-    rates = {f"{_FitMapDelta.__name__}.{site}": fraction * s for site, s in prior_scales.items()}
+    rates = {
+        f"{_FitMapDelta.__name__}.locs.{site}": fraction * s for site, s in prior_scales.items()
+    }
     return pyro.optim.Adam(lambda name, param: {"lr": rates.get(name, point_lr)})
 
 
@@ -199,7 +206,43 @@ def _learning_rate(optimizer: pyro.optim.PyroOptim | None) -> str:
 
 
 class _FitMapDelta(AutoDelta):
-    """An AutoDelta whose params (named ``_FitMapDelta.*``) belong to fit_map alone."""
+    """An AutoDelta whose locations sit under ``.locs`` (params ``_FitMapDelta.locs.*``).
+
+    Pyro's AutoDelta sets each site's location at the attribute path of the site's name
+    on the guide itself, so a site named after one of the guide's own attributes (the
+    ``model.*`` weights of every Hugging Face causal LM: ``AutoGuide.model``) lands on
+    that attribute instead, outside the guide's parameters, and is never trained. Kept
+    in a child module, as AutoNormal keeps its ``locs``, every site name is free. The
+    params' ``_FitMapDelta.`` prefix marks them as fit_map's alone.
+    """
+
+    def _setup_prototype(self, *args, **kwargs):
+        AutoGuide._setup_prototype(self, *args, **kwargs)
+        self.locs = PyroModule()
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            value = site["value"].detach()
+            event_dim = site["fn"].event_dim
+            for frame in site["cond_indep_stack"]:  # subsampled: the full size's values
+                full_size = frame.full_size or frame.size
+                if full_size != frame.size:
+                    value = periodic_repeat(value, full_size, frame.dim - event_dim).contiguous()
+            with helpful_support_errors(site):
+                deep_setattr(self.locs, name, PyroParam(value, site["fn"].support, event_dim))
+
+    def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
+        plates = self._create_plates(*args, **kwargs)
+        result = {}
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            with contextlib.ExitStack() as stack:
+                for frame in site["cond_indep_stack"]:
+                    if frame.vectorized:
+                        stack.enter_context(plates[frame.name])
+                location = operator.attrgetter(name)(self.locs)
+                delta = dist.Delta(location, event_dim=site["fn"].event_dim)
+                result[name] = pyro.sample(name, delta)
+        return result
 
 
 def _drop_params() -> None:

@@ -30,8 +30,8 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
     losses = settings["validation_losses"]["SGD"]
     assert set(losses) == {str(s) for s in SETTINGS["quick"]["learning_rates"]}
     assert losses[str(SETTINGS["quick"]["learning_rates"][1])] is None
-    # the base and its tokenizer are a Hugging Face directory, every weight trained (a
-    # site named "model.*" is left untrained by Pyro's AutoDelta: the base lifts with a prefix)
+    # the base and its tokenizer are a Hugging Face directory, every weight trained (its
+    # "model.*" weights too: Pyro's own AutoDelta would leave them at their initialisation)
     assert (tmp_path / "base" / "tokenizer.json").exists()
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     torch.manual_seed(0)
