@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pyro
@@ -9,6 +10,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# The models ported from Pyro's examples (tests/pyro_models.py), importable by every test
+# module as ``pyro_models`` (tests are imported with --import-mode=importlib).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(autouse=True)
