@@ -229,6 +229,7 @@ class LaplaceGuide(AutoGuide):
         first_args, first_kwargs = batches.batches.peek()
         self._setup_prototype(*first_args, **first_kwargs)
         if map is True:
+            self._probe_structure(model, first_args, first_kwargs)
             values, _ = minimise(
                 model,
                 args,
@@ -249,15 +250,22 @@ class LaplaceGuide(AutoGuide):
         check = mode_tolerance is not None
         self._accumulate(model, batches, progress, gradient=check)
         passes = rounds = 0
-        while (
-            check and map is True and passes < max_passes and self._mode_distance() > mode_tolerance
-        ):
+        distance = self._mode_distance() if check else 0.0
+        while check and map is True and passes < max_passes and distance > mode_tolerance:
             budget = min(max_passes - passes, _FIRST_ROUND * 2**rounds)
             rounds += 1
+            before = self._loc
             passes += self._refine(model, batches, mode_tolerance, budget, progress)
+            # A round whose line search found no decrease has met the precision of the log
+            # joint itself: more rounds cannot bring the mode closer.
+            if all(torch.equal(before[name], value) for name, value in self._loc.items()):
+                break
             self._accumulate(model, batches, progress, gradient=True)
-        if check and self._mode_distance() > mode_tolerance:
+            distance = self._mode_distance()
+        if check and distance > mode_tolerance:
             self._warn_not_a_mode(map, mode_tolerance, num_steps, max_passes)
+        if self.exact_hessian_reason is not None:
+            _check_positive_definite(self._blocks[0], self.exact_hessian_reason)
         return self
 
     def _prior_scales(self) -> dict[str, float]:
@@ -357,6 +365,17 @@ class LaplaceGuide(AutoGuide):
         self._prior_loc, self._model_precision, self._other_priors = {}, {}, {}
         self._prior_precision = {}
 
+    def _probe_structure(self, model: Callable, args: tuple, kwargs: dict) -> None:
+        """Read the likelihood of one run before a MAP search, so that a model without the
+        GGN's structure is refused (or sent to the exact Hessian) before, not after it."""
+        if self.exact_hessian_reason is not None:
+            return
+        values = {name: site.message["value"] for name, site in self.sites.items()}
+        try:
+            ModelJacobians(model, values)(args, kwargs)
+        except StructureError as error:
+            self._use_exact_hessian(str(error).removeprefix("LaplaceGuide: "))
+
     def _accumulate(self, model: Callable, batches: DataPass, progress: bool, gradient: bool):
         """The curvature pass at ``self._loc`` (with the log joint's gradient if asked)."""
         if self.exact_hessian_reason is None:
@@ -403,7 +422,6 @@ class LaplaceGuide(AutoGuide):
         self.num_data = log_joint.num_data
         self._jacobians = None
         self._gradient = self.sites.unpack(grad)
-        _check_positive_definite(self._blocks[0], self.exact_hessian_reason)
 
     def _prior_curvature(self, values) -> dict[str, torch.Tensor]:
         """:math:`-\\partial^2 \\log p / \\partial\\theta^2` entry by entry, for the priors
@@ -1274,7 +1292,7 @@ def _site_log_density(message: dict, value: torch.Tensor) -> torch.Tensor:
 
 
 def _check_positive_definite(block: HessianBlock, reason: str) -> None:
-    eigenvalues = torch.linalg.eigvalsh(block.curvature)
+    eigenvalues = torch.linalg.eigvalsh(block.hessian)
     if not bool(eigenvalues[0] > 0):
         raise ValueError(
             f"LaplaceGuide: the negative Hessian of the log joint at the fitted point is not "

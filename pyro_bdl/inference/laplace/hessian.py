@@ -47,14 +47,33 @@ class HessianBlock(FullBlock):
     """A dense posterior precision that is the whole negative Hessian :math:`-\\nabla^2\\Phi`.
 
     The prior is inside :math:`\\Phi`, so there is no prior precision to add: ``delta`` is
-    ignored by every method.
+    ignored by every method. Away from a mode (while the fit still moves) the Hessian may
+    be indefinite; the block then holds it with its eigenvalues replaced by their
+    absolute values (floored at ``1e-8`` of the largest), a metric that whitens the
+    search for the mode as the Hessian does near it (the saddle-free Newton metric,
+    Dauphin et al. 2014). At a mode the two are the same matrix; :attr:`hessian` keeps
+    the true one.
+
+    :param dict shapes: site -> unconstrained shape.
+    :param torch.Tensor hessian: :math:`-\\nabla^2\\Phi`, ``(d, d)``.
     """
+
+    def __init__(self, shapes, hessian: torch.Tensor):
+        self.hessian = hessian
+        eigenvalues, eigenvectors = torch.linalg.eigh(hessian)
+        if bool(eigenvalues[0] > 0):
+            metric = hessian
+        else:
+            floor = 1e-8 * eigenvalues.abs().max().clamp(min=torch.finfo(hessian.dtype).tiny)
+            magnitudes = eigenvalues.abs().clamp(min=floor)
+            metric = (eigenvectors * magnitudes) @ eigenvectors.mT
+        super().__init__(shapes, metric)
 
     def _flat_delta(self, delta):
         return self.curvature.new_zeros(self.curvature.shape[0])
 
     def tensors(self):
-        return {"full.hessian": self.curvature}
+        return {"full.hessian": self.hessian}
 
 
 class _PassTerms(LogJoint):
