@@ -16,7 +16,8 @@ For these ``LaplaceGuide(curvature="full")`` does what Pyro's
 in the unconstrained space of :mod:`~pyro_bdl.inference.sites`, and the posterior
 precision is :math:`P = -\nabla^2 \Phi(z^*)` at the mode. :class:`LogJointPass` computes
 :math:`\Phi` and its derivatives over one pass of the data (DataLoader batches or the
-chunks of the model's own subsample plate, see :class:`~pyro_bdl.inference.DataPass`):
+chunks of the model's own subsample plate, see
+:class:`~pyro_bdl.inference.minibatch.DataPass`):
 each run's log density is Pyro's, site scales and masks included, the likelihood of a
 subsampled plate divided by the plate's scale :math:`N / B` so that the runs add up to
 the whole data set once, and every other term (priors, the Jacobian, a global
@@ -51,8 +52,8 @@ class HessianBlock(FullBlock):
     be indefinite; the block then holds it with its eigenvalues replaced by their
     absolute values (floored at ``1e-8`` of the largest), a metric that whitens the
     search for the mode as the Hessian does near it (the saddle-free Newton metric,
-    Dauphin et al. 2014). At a mode the two are the same matrix; :attr:`hessian` keeps
-    the true one.
+    Dauphin et al. 2014). At a mode the two are the same matrix; the attribute
+    ``hessian`` keeps the true one.
 
     :param dict shapes: site -> unconstrained shape.
     :param torch.Tensor hessian: :math:`-\\nabla^2\\Phi`, ``(d, d)``.

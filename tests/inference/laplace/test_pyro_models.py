@@ -244,3 +244,27 @@ def test_a_point_that_is_no_mode_has_no_laplace_approximation():
 
     with pytest.raises(ValueError, match="not positive definite .smallest eigenvalue -399"):
         LaplaceGuide(model, "full").fit(map=False, progress=False)
+
+
+@pytest.mark.parametrize("curvature", ["diag_ggn", "full"])
+def test_a_latent_in_a_plate_of_constant_size(curvature, helpers):
+    # w ~ N(0, 1) in a plate of 3 (a vector of weights declared per plate entry), y ~
+    # N(x w, 0.5^2): the GGN path, with the guide sampling w inside the same plate.
+    problem = helpers.LinearGaussian(alpha=1.0, sigma=0.5)
+
+    def model(x, y):
+        with pyro.plate("features", 3):
+            w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+
+    guide = _fit(model, (problem.x, problem.y), {}, curvature)
+    assert guide.exact_hessian_reason is None
+    torch.testing.assert_close(guide.median()["w"], problem.mean, **TOLERANCE)
+    expected = problem.covariance if curvature == "full" else problem.precision.diagonal() ** -1
+    covariance = _covariance(guide, helpers)
+    torch.testing.assert_close(
+        covariance if curvature == "full" else covariance.diagonal(), expected
+    )
+    trace = pyro.poutine.trace(guide).get_trace(problem.x, problem.y)
+    assert trace.nodes["w"]["cond_indep_stack"][0].name == "features"
