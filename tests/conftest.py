@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pyro
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,6 +22,15 @@ def _clear_param_store():
     pyro.clear_param_store()
     yield
     pyro.clear_param_store()
+
+
+@pytest.fixture
+def float64():
+    """Make float64 the default dtype for one test (its references are float64)."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(dtype)
 
 
 @pytest.fixture

@@ -28,12 +28,7 @@ F64 = {"dtype": torch.float64}
 NUM_DATA = {"coin": 10, "scale": 1, "annealed_scale": 1}
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(dtype)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 @pytest.fixture(autouse=True)
