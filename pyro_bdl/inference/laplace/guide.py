@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from pyro_bdl import distributed
 from pyro_bdl._checks import function, instance, integer, one_of, real
 from pyro_bdl._draws import kept_draws
+from pyro_bdl.inference.guide_state import GuideState, dtype_name
 from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
 from pyro_bdl.inference.laplace.jacobians import DenseGradient, ModelJacobians
@@ -42,6 +43,11 @@ from pyro_bdl.inference.laplace.predictive import (
     probit,
 )
 from pyro_bdl.inference.laplace.prior import LaplacePrior
+from pyro_bdl.inference.laplace.state import (
+    curvature_from_settings,
+    laplace_state,
+    restore_laplace,
+)
 from pyro_bdl.inference.map import adam_at_prior_scale, minimise
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.lift import init_to_module
@@ -56,7 +62,7 @@ _FIRST_ROUND = 5
 PriorPrecision = float | Mapping[str, float | torch.Tensor] | None
 
 
-class LaplaceGuide(AutoGuide):
+class LaplaceGuide(GuideState, AutoGuide):
     r"""Laplace approximation :math:`\mathcal{N}(\theta_\text{MAP}, T P^{-1})` of a model's weights.
 
     :meth:`fit` finds the MAP (Adam on minibatches, then L-BFGS on full passes to a
@@ -999,6 +1005,32 @@ class LaplaceGuide(AutoGuide):
         for block in self._blocks:
             result.update({key: value.detach().clone() for key, value in block.tensors().items()})
         return result
+
+    # -- saving (see pyro_bdl.inference.guide_state and bdl.save) -----------------------
+
+    _needs_setup = False  # a fitted state restores without the model's prototype
+
+    def _init_settings(self) -> dict:
+        return {"curvature": self.curvature.hyperparameters(), "temperature": self.temperature}
+
+    @classmethod
+    def _from_settings(cls, model, settings: dict) -> LaplaceGuide:
+        curvature = curvature_from_settings(settings["curvature"])
+        return cls(model, curvature, temperature=settings["temperature"])
+
+    def _state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return laplace_state(self)
+
+    def _restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        restore_laplace(self, state, tensors)
+
+    def _site_shapes(self) -> dict[str, dict] | None:
+        if self._blocks is None:
+            return super()._site_shapes()
+        return {
+            name: {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+            for name, value in self._loc.items()
+        }
 
     def hyperparameters(self) -> dict:
         """The guide's settings and evidence, JSON-serialisable."""
