@@ -527,7 +527,7 @@ def _refuse_pickles(directory: Path) -> None:
         raise ManifestError(f"load: {directory} is not a directory")
     for path in _files(directory):
         with path.open("rb") as handle:
-            head = handle.read(4)
+            head = handle.read(9)
         if path.suffix.lower() in _PICKLE_SUFFIXES or _looks_pickled(head):
             raise UnsafeFileError(
                 f"load: {path} looks like a pickle ({path.suffix or head[:2]!r}); pyro_bdl never "
@@ -540,15 +540,18 @@ def _files(directory: Path):
     """Every file under ``directory`` but inside zarr stores (checked when opened)."""
     for root, dirs, files in os.walk(directory):
         dirs[:] = [name for name in dirs if not name.endswith(".zarr")]
-        for name in files:
-            # safetensors files are parsed, never unpickled (their first bytes are a length)
-            if not name.endswith(".safetensors"):
-                yield Path(root) / name
+        yield from (Path(root) / name for name in files)
 
 
 def _looks_pickled(head: bytes) -> bool:
-    # a pickle opens with PROTO (0x80) and a protocol number; torch.save's zip with PK
-    return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head == b"PK\x03\x04"
+    """Whether a file's first 9 bytes are those of a pickle or of ``torch.save``'s zip.
+
+    A pickle opens with PROTO (0x80) and a protocol number, a zip with PK. A safetensors
+    file opens with its header's length, which may start with the same two bytes, and then
+    its JSON header, ``{``: that is never taken for a pickle.
+    """
+    magic = (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head[:4] == b"PK\x03\x04"
+    return magic and head[8:9] != b"{"
 
 
 def _read_manifest(directory: Path) -> dict:
@@ -629,12 +632,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         with safe_open(path, framework="pt", device="cpu") as handle:
             return {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError, ValueError) as error:
-        with path.open("rb") as handle:
-            if _looks_pickled(handle.read(4)):
-                raise UnsafeFileError(
-                    f"load: {path} is a pickle, not safetensors; it is not unpickled"
-                ) from None
+    except (SafetensorError, OSError, ValueError) as error:  # a pickle was refused before
         raise CorruptFileError(
             f"load: {path} is not a readable safetensors file ({error})"
         ) from None

@@ -165,9 +165,6 @@ class BLoBGuide(MeanFieldGuide):
     def hyperparameters(self) -> dict:
         return {"eps": self.eps, "prior_std": self.prior_std, "flipout": self.flipout}
 
-    def _init_settings(self) -> dict:
-        return self.hyperparameters()
-
 
 def _detach_all(flipouts: list[LoRAFlipout]) -> None:
     for flipout in flipouts:

@@ -359,13 +359,8 @@ class MeanFieldGuide(GuideState, AutoGuide):
         }
 
     def _init_settings(self) -> dict:
-        # the constructor's arguments, for bdl.save / load_state_dict (GuideState)
-        return {
-            "init_scale": self.init_scale,
-            "scale_parametrization": self.scale_parametrization,
-            "temperature": self.temperature,
-            "stick_the_landing": self.stick_the_landing,
-        }
+        # the constructor's arguments, for bdl.save and load_state_dict (GuideState)
+        return self.hyperparameters()
 
     def _locs_and_scales(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         if self._groups is None:
