@@ -128,6 +128,7 @@ class Laplace:
             warnings.simplefilter("ignore")
             guide.fit((x, y), NUM_DATA, num_steps=100, max_passes=5, progress=False)
             guide.optimize_prior_precision(num_steps=30)  # short: not converged, on purpose
+        guide.select_link((x, y), NUM_DATA, links=("probit", "bridge"))  # not the default
         return guide
 
     def outputs(self, model, guide) -> dict[str, torch.Tensor]:
@@ -135,6 +136,7 @@ class Laplace:
         out = {}
         for link in ("mc", "probit", "bridge"):
             out[link] = guide.predictive((x, None), NUM_DATA, link=link, generator=seeded(0))
+        out["selected link"] = guide.predictive((x, None), NUM_DATA)
         for name, draw in guide.sample_posterior(4, generator=seeded(1)).items():
             out[f"draw/{name}"] = draw
         out["Predictive"] = predictions(model, guide)

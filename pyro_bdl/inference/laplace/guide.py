@@ -141,6 +141,9 @@ class LaplaceGuide(GuideState, AutoGuide):
         self.init_loc_fn = init_loc_fn
         self._prior_precision_arg = prior_precision
         self._blocks = None
+        #: the link :meth:`predictive` uses by default: ``"mc"``, or what :meth:`select_link`
+        #: chose (saved with the guide)
+        self.link = "mc"
 
     # -- fitting ---------------------------------------------------------------------
 
@@ -700,7 +703,7 @@ class LaplaceGuide(GuideState, AutoGuide):
     def predictive(
         self,
         *args,
-        link: str = "mc",
+        link: str | None = None,
         num_samples: int = 100,
         return_samples: bool = False,
         generator: torch.Generator | None = None,
@@ -716,8 +719,8 @@ class LaplaceGuide(GuideState, AutoGuide):
         ``"probit"`` and ``"bridge"`` ``C``. DataLoader arguments are concatenated over
         one pass.
 
-        :param str link: ``"mc"`` (joint logit samples, the default), ``"probit"`` or
-            ``"bridge"``.
+        :param str link: ``"mc"`` (joint logit samples), ``"probit"`` or ``"bridge"``;
+            None: :attr:`link` (``"mc"`` unless :meth:`select_link` chose another).
         :param int num_samples: logit draws for ``"mc"``.
         :param bool return_samples: return the per-draw class probabilities
             ``(S, B, C)`` (``"mc"`` only), as :func:`pyro_bdl.predict.predict_proba` does, for the
@@ -725,7 +728,7 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param generator: random generator for ``"mc"``.
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
-        one_of("link", link, LINKS)
+        link = one_of("link", self.link if link is None else link, LINKS)
         num_samples = integer("num_samples", num_samples, low=1)
         instance("return_samples", return_samples, bool, "True or False")
         if generator is not None:
@@ -911,12 +914,13 @@ class LaplaceGuide(GuideState, AutoGuide):
         Each link (see :meth:`predictive`) maps the same Gaussian over the logits to class
         probabilities; which suits a model is an empirical question (Laplace-LoRA found
         ``"mc"`` best for LLMs, the bridge can win for a small, well-fitted network), so
-        answer it on held-out data, not on the test set.
+        answer it on held-out data, not on the test set. The best becomes :attr:`link`,
+        the default of :meth:`predictive` (and is saved with the guide).
 
         Example::
 
             link, scores = guide.select_link(val_loader, num_data)
-            probs = guide.predictive(test_batch, num_data, link=link)
+            probs = guide.predictive(test_batch, num_data)        # with that link
 
         :param val_args: the model's arguments on the validation data (labels observed).
         :param tuple links: the candidates, a subset of ``("mc", "probit", "bridge")``.
@@ -937,7 +941,8 @@ class LaplaceGuide(GuideState, AutoGuide):
             val_args, val_kwargs, [self._prior_precision], links, num_samples, progress
         )[0]
         scores = {name: float(value) for name, value in zip(links, nll, strict=True)}
-        return links[int(nll.argmin())], scores
+        self.link = links[int(nll.argmin())]
+        return self.link, scores
 
     def _validation_nll(self, args, kwargs, candidates, links, num_samples, progress):
         """Mean NLL ``(len(candidates), len(links))`` of the linearised predictive.

@@ -49,6 +49,7 @@ def laplace_state(guide) -> tuple[dict, dict[str, torch.Tensor]]:
     blocks = [_block_state(i, block, tensors, factors) for i, block in enumerate(guide._blocks)]
     state = {
         "fitted": True,
+        "link": guide.link,
         "num_data": guide.num_data,
         "sites": list(guide._loc),
         "gradient": guide._gradient is not None,
@@ -74,7 +75,7 @@ def restore_laplace(guide, state: dict, tensors: dict[str, torch.Tensor]) -> Non
         {name: tensors[f"gradient/{name}"] for name in loc} if state["gradient"] else None
     )
     guide._log_likelihood = tensors["log_likelihood"]
-    guide.num_data = state["num_data"]
+    guide.num_data, guide.link = state["num_data"], state["link"]
     factors: dict[int, Eigen] = {}
     guide._blocks = [
         _make_block(i, entry, tensors, factors) for i, entry in enumerate(state["blocks"])
