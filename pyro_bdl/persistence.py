@@ -194,6 +194,7 @@ def save(posterior, directory: str | os.PathLike) -> Path:
     example, nets = _model_example(guide, header["sites"])
     manifest["example"] = example
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_previous(directory)
     files = {TENSORS: _write_tensors(directory / TENSORS, tensors)}
     files.update(_write_adapter(directory, guide, nets))
     manifest["files"] = {name: {"bytes": size} for name, size in files.items()}
@@ -325,7 +326,7 @@ def load(
     A guide comes back ready for ``predictive``, ``Predictive``, ``predict_proba``,
     ``sample_posterior``, ``as_prior``, ``bdl.to_arviz`` and (VI guides) more training; an
     ``IVONSVI`` or ``BLoBSVI`` comes back with its guide and optimiser, its next step the
-    one the saved run would have taken; draws come back as :class:`SavedChains`, with
+    one the saved run would have taken; draws come back as :class:`~pyro_bdl.persistence.SavedChains`, with
     the interface of :class:`~pyro_bdl.inference.Chains`.
 
     The model runs once (on zeros shaped like the arguments it was fitted with, or on
@@ -347,12 +348,13 @@ def load(
         draws are checked against the model only with them.
     :param dict model_kwargs: keyword arguments likewise.
     :param device: where the posterior's tensors go (default: the device of the model's
-        weights, as its run shows; draws: the CPU).
-    :param dtype: the floating dtype of the posterior's tensors (default: the model's
+        weights, as its run shows; draws: the CPU), and the zeros the model runs on.
+    :param dtype: the floating dtype of the posterior's tensors and of those zeros: give
+        it to load into a model of another dtype than the saved one (default: the model's
         weights' dtype where they share one, else as saved).
     :raises UnsafeFileError: a file in the directory looks like a pickle.
-    :raises ManifestError: no manifest, or a malformed one (:class:`FormatVersionError`:
-        written by a newer pyro_bdl).
+    :raises ManifestError: no manifest, or a malformed one
+        (:class:`~pyro_bdl.persistence.FormatVersionError`: written by a newer pyro_bdl).
     :raises CorruptFileError: a listed file is missing or truncated.
     :raises SiteMismatchError: the model's latent sites differ from the saved ones.
     """
@@ -383,7 +385,7 @@ def load(
                 "shaped like its arguments; pass one batch of them, "
                 "bdl.load(directory, model, model_args=(batch, num_data))"
             )
-        args = _placeholders(manifest["example"], device)
+        args = _placeholders(manifest["example"], device, dtype)
     found = _set_up(guide, *args, placeholders=not given)
     check_sites(
         {name: entry["shape"] for name, entry in header["sites"].items()},
@@ -653,6 +655,20 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     return path.stat().st_size
 
 
+def _remove_previous(directory: Path) -> None:
+    """Remove the files an earlier save listed (a stale adapter must not outlive its save)."""
+    try:
+        previous = json.loads((directory / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for name, entry in previous.items() if isinstance(previous, dict) else ():
+        path = directory / name
+        inside = path.resolve().parent == directory.resolve()  # never a file elsewhere
+        if inside and isinstance(entry, dict) and not entry.get("directory") and path.is_file():
+            path.unlink()
+    (directory / MANIFEST).unlink()
+
+
 def _write_json(path: Path, value: dict) -> None:
     partial = path.with_suffix(".tmp")
     partial.write_text(json.dumps(value, indent=1, sort_keys=True))
@@ -720,11 +736,14 @@ def _tensor_shape(value: torch.Tensor, tensors: dict) -> dict:
     return {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
 
 
-def _placeholders(example: dict, device) -> tuple[tuple, dict]:
-    """Zeros shaped like the model's arguments, the other arguments as they were."""
+def _placeholders(example: dict, device, dtype=None) -> tuple[tuple, dict]:
+    """Zeros shaped like the model's arguments (floating ones in ``dtype`` if given), the
+    other arguments as they were."""
 
     def zeros(spec: dict) -> torch.Tensor:
-        return torch.zeros(spec["shape"], dtype=dtype_from_name(spec["dtype"]), device=device)
+        saved = dtype_from_name(spec["dtype"])
+        chosen = dtype if dtype is not None and saved.is_floating_point else saved
+        return torch.zeros(spec["shape"], dtype=chosen, device=device)
 
     args, kwargs = _decode(example, zeros)
     return tuple(args), kwargs

@@ -107,11 +107,11 @@ class GuideState:
 
     A guide class lists, in four small methods, what its approximation is:
 
-    * :meth:`_init_settings`: its constructor's arguments that shape the approximation
+    * ``_init_settings()``: its constructor's arguments that shape the approximation
       (JSON); a state loads only into a guide built with the same;
-    * :meth:`_state`: JSON and tensors of what is not a registered parameter;
-    * :meth:`_restore`: set that state again (after the sites were checked);
-    * :attr:`_needs_setup`: whether the guide must have seen the model (its parameters
+    * ``_state()``: JSON and tensors of what is not a registered parameter;
+    * ``_restore(state, tensors)``: set that state again (after the sites were checked);
+    * ``_needs_setup``: whether the guide must have seen the model (its parameters
       exist only after the first call, as for Pyro's autoguides) before it can load.
 
     The mixin records the model's point weights (``pyro.param`` sites) when the guide

@@ -1031,7 +1031,7 @@ class LaplaceGuide(GuideState, AutoGuide):
 
     def _site_shapes(self) -> dict[str, dict] | None:
         if self._blocks is None:
-            return super()._site_shapes()
+            return None  # unfitted: nothing to save, nothing to check a state against
         return {
             name: {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
             for name, value in self._loc.items()
