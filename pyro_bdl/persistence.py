@@ -127,7 +127,10 @@ class CorruptFileError(PosteriorFileError):
 # -- save ------------------------------------------------------------------------------------
 
 
-def save(posterior, directory: str | os.PathLike) -> Path:
+Posterior = GuideState | IVONSVI | BLoBSVI | MCMC | Chains
+
+
+def save(posterior: Posterior, directory: str | os.PathLike) -> Path:
     """Write a fitted posterior to ``directory`` (created if needed); :func:`load` reads it.
 
     Example::
@@ -320,14 +323,15 @@ def load(
     model_kwargs: Mapping | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
-):
+) -> GuideState | IVONSVI | BLoBSVI | SavedChains:
     """Read back what :func:`save` wrote: a guide, a training run or draws, on ``model``.
 
     A guide comes back ready for ``predictive``, ``Predictive``, ``predict_proba``,
     ``sample_posterior``, ``as_prior``, ``bdl.to_arviz`` and (VI guides) more training; an
     ``IVONSVI`` or ``BLoBSVI`` comes back with its guide and optimiser, its next step the
-    one the saved run would have taken; draws come back as :class:`~pyro_bdl.persistence.SavedChains`, with
-    the interface of :class:`~pyro_bdl.inference.Chains`.
+    one the saved run would have taken; draws come back as
+    :class:`~pyro_bdl.persistence.SavedChains`, with the interface of
+    :class:`~pyro_bdl.inference.Chains`.
 
     The model runs once (on zeros shaped like the arguments it was fitted with, or on
     ``model_args``) to rebuild what derives from it and to check its latent sites against
@@ -377,7 +381,7 @@ def load(
     if manifest["kind"] == "draws":
         return _load_draws(directory, manifest, model, args if given else None, device, dtype)
     header = manifest["guide"]
-    guide = _GUIDES[header["class"]]._from_settings(model, header["settings"])
+    guide = _built(_GUIDES[header["class"]]._from_settings, model, header["settings"])
     if not given:
         if manifest.get("example") is None:
             raise ValueError(
@@ -394,25 +398,36 @@ def load(
     )
     device, dtype = _target(found, device, dtype)
     tensors = _read_tensors(directory / TENSORS)
-    state = {
-        key.removeprefix("guide/"): _convert(value, device, dtype)
-        for key, value in tensors.items()
-        if key.startswith("guide/")
-    }
+    state = {key: _convert(value, device, dtype) for key, value in _part(tensors, "guide").items()}
     state[STATE_KEY] = encode_json(header)
     guide.load_state_dict(state, assign=True)
     training = manifest.get("training")
     if training is None:
         return guide
-    extra = {
-        k.removeprefix("training/"): v for k, v in tensors.items() if k.startswith("training/")
-    }
+    extra = _part(tensors, "training")
     settings = dict(training["settings"])
     if isinstance(settings.get("schedule"), dict):
         settings["schedule"] = _decode_schedule(settings["schedule"])
-    svi = _TRAINING[training["class"]](model, guide, **settings)
+    svi = _built(_TRAINING[training["class"]], model, guide, **settings)
     svi.load_state_dict(_decode(training["state"], lambda spec: extra[spec["key"]]))
     return svi
+
+
+def _part(tensors: dict[str, torch.Tensor], part: str) -> dict[str, torch.Tensor]:
+    """The tensors saved under ``part/`` (the guide's or the training run's)."""
+    start = part + "/"
+    return {key[len(start) :]: value for key, value in tensors.items() if key.startswith(start)}
+
+
+def _built(build: Callable, *args, **settings):
+    """``build(*args, **settings)``, or a ManifestError if the settings do not fit it."""
+    try:
+        return build(*args, **settings)
+    except (TypeError, ValueError, KeyError) as error:
+        raise ManifestError(
+            f"load: the manifest's settings do not build what it names ({type(error).__name__}: "
+            f"{error})"
+        ) from error
 
 
 def _set_up(guide, args: tuple, kwargs: dict, placeholders: bool) -> dict[str, torch.Tensor]:
@@ -424,8 +439,6 @@ def _set_up(guide, args: tuple, kwargs: dict, placeholders: bool) -> dict[str, t
             pyro.validation_enabled(not placeholders),
         ):
             guide._setup_prototype(*args, **kwargs)
-    except (SiteMismatchError, KeyboardInterrupt):
-        raise
     except Exception as error:
         if not placeholders:
             raise

@@ -12,7 +12,8 @@ It is an :class:`~pyro.infer.autoguide.AutoGuide`: calling it draws every site f
 :math:`q`, so ``Predictive(model, guide=guide, num_samples=S)`` gives the sampled-weights
 predictive and ``bdl.to_arviz(guide, num_samples=S)`` exports draws. The linearised
 predictive, the evidence, prior-precision tuning and the posterior-as-prior live here as
-methods.
+methods. ``bdl.save(guide, directory)`` keeps a fitted guide and ``bdl.load(directory,
+model)`` gives it back in another process (:mod:`pyro_bdl.persistence`).
 """
 
 from __future__ import annotations
@@ -1049,6 +1050,7 @@ class LaplaceGuide(GuideState, AutoGuide):
             "method": "LaplaceGuide",
             **self.curvature.hyperparameters(),
             "temperature": self.temperature,
+            "link": self.link,
             "num_data": self.num_data,
             "num_params": sum(value.numel() for value in self._loc.values()),
             "prior_precision": values.pop() if len(values) == 1 else precision,
