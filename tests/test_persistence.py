@@ -320,3 +320,13 @@ def test_saved_on_cuda_loads_on_the_cpu_and_back(tmp_path):
     generator = torch.Generator(device="cuda").manual_seed(0)
     again = back.predictive((x.cuda(), None), cases.NUM_DATA, generator=generator).cpu()
     torch.testing.assert_close(again, reference)
+
+
+def test_a_loaded_guide_exports_to_arviz(saved):
+    root, references = saved
+    guide = bdl.load(root / "laplace_kron", cases.mlp_model())
+    x, y = cases.data()
+    tree = bdl.to_arviz(guide, num_samples=3, model_args=((x, y), cases.NUM_DATA))
+    assert tree["posterior"]["hidden.weight"].shape == (1, 3, 6, 5)
+    assert tree.attrs["method"] == "LaplaceGuide" and tree.attrs["link"] == guide.link
+    assert "hidden.weight.kron_input_eigenvectors" in tree["approximation"]

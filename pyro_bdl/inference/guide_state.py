@@ -105,7 +105,7 @@ def as_json(value):
 class GuideState:
     """Mixin of the library's guides: ``state_dict()`` carries the whole approximation.
 
-    A guide class lists, in four small methods, what its approximation is:
+    A guide class says what its approximation is in three small methods and a flag:
 
     * ``_init_settings()``: its constructor's arguments that shape the approximation
       (JSON); a state loads only into a guide built with the same;
