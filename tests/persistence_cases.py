@@ -13,12 +13,12 @@ import warnings
 from pathlib import Path
 
 import pyro
-import pyro.distributions as dist
 import torch
 from pyro.infer import MCMC, SVI, Predictive, TraceMeanField_ELBO
 from safetensors.torch import save_file
 
 import pyro_bdl as bdl
+from pyro_bdl.demo import classifier
 from pyro_bdl.inference import (
     IVONSVI,
     SGHMC,
@@ -67,16 +67,6 @@ class TinyNet(torch.nn.Module):
 
     def forward(self, x):
         return self.proj(x)
-
-
-def classifier(net):
-    def model(batch, num_data):
-        x, y = batch
-        logits = net(x)
-        bdl.observe("y", dist.Categorical(logits=logits), y, num_data)
-        return logits
-
-    return model
 
 
 def mlp_model(hidden: int = 6):
