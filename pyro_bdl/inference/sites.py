@@ -163,6 +163,20 @@ class LatentSites(Mapping[str, LatentSite]):
                 message=message,
             )
 
+    @classmethod
+    def real(cls, values: Mapping[str, torch.Tensor], owner: str) -> LatentSites:
+        """Real sites of these values' shapes, outside plates, every dimension an event
+        dimension: the sites of a guide restored from a state without its model's trace."""
+        sites = cls(pyro.poutine.Trace(), owner)
+        for name, value in values.items():
+            fn = dist.ImproperUniform(constraints.real, torch.Size(), value.shape)
+            message = {"fn": fn, "value": value, "scale": 1.0, "mask": None}
+            transform = biject_to(constraints.real)
+            sites._sites[name] = LatentSite(
+                name, value.shape, transform, value.shape, value.dim(), (), message
+            )
+        return sites
+
     def __getitem__(self, name: str) -> LatentSite:
         return self._sites[name]
 

@@ -38,6 +38,7 @@ from pyro.ops.tensor_utils import periodic_repeat
 from torch.distributions import kl
 
 from pyro_bdl._checks import function, instance, one_of, real
+from pyro_bdl.inference.guide_state import GuideState
 from pyro_bdl.inference.sites import LatentSites
 from pyro_bdl.inference.vi.normal import VariationalNormal, check_temperature, tempered_kl
 from pyro_bdl.lift import init_to_module
@@ -106,12 +107,15 @@ class _TransformedDelta(dist.Delta):
     """
 
 
+# Pyro registers its Delta's KL against Pyro's Distribution mixin: both bases, or the
+# dispatch between the two registrations is ambiguous.
 @kl.register_kl(_TransformedDelta, torch.distributions.Distribution)
+@kl.register_kl(_TransformedDelta, dist.Distribution)
 def _no_closed_form(p, q):
     raise NotImplementedError
 
 
-class MeanFieldGuide(AutoGuide):
+class MeanFieldGuide(GuideState, AutoGuide):
     r"""A diagonal Gaussian at every latent site, sampled at the site itself.
 
     .. math::
@@ -425,6 +429,10 @@ class MeanFieldGuide(AutoGuide):
             "temperature": self.temperature,
             "stick_the_landing": self.stick_the_landing,
         }
+
+    def _init_settings(self) -> dict:
+        # the constructor's arguments, for bdl.save and load_state_dict (GuideState)
+        return self.hyperparameters()
 
     def _locs_and_scales(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         if self._groups is None:
