@@ -425,7 +425,7 @@ class LaplaceGuide(GuideState, AutoGuide):
     def _accumulate_exact(self, model, batches, progress) -> None:
         """The exact Hessian of the log joint at ``self._loc`` (see :mod:`.hessian`)."""
         log_joint = LogJointPass(model, self.sites, batches)
-        value, grad, hessian = log_joint(self.sites.pack(self._loc), order=2)
+        value, grad, hessian = log_joint(self.sites.pack(self._loc), order=2, progress=progress)
         shapes = {name: site.unconstrained_shape for name, site in self.sites.items()}
         self._blocks = [HessianBlock(shapes, -hessian)]
         self._log_likelihood = value  # the whole log joint: the evidence's other terms

@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from pyro_bdl import distributed
 from pyro_bdl.inference.laplace.curvature.full import FullBlock
@@ -118,9 +119,12 @@ class LogJointPass:
         #: the data-set size the likelihood is scaled to (None: no subsampled likelihood)
         self.num_data: int | None = None
 
-    def __call__(self, flat: torch.Tensor, order: int = 0):
+    def __call__(self, flat: torch.Tensor, order: int = 0, progress: bool = False):
         """:math:`\\Phi`, and its gradient (``order >= 1``) and Hessian (``order == 2``) in
-        the flat unconstrained vector ``flat``; None for the ones not asked."""
+        the flat unconstrained vector ``flat``; None for the ones not asked.
+
+        :param bool progress: show a progress bar over the pass.
+        """
         runs = self.data.runs * distributed.world_size()
         totals = [torch.zeros((), dtype=flat.dtype, device=flat.device)]
         if order >= 1:
@@ -128,7 +132,14 @@ class LogJointPass:
         if order == 2:
             totals.append(flat.new_zeros(len(flat), len(flat)))
         seen = 0
-        for args, kwargs, context in self.data:
+        bar = tqdm(
+            self.data,
+            total=self.data.runs,
+            desc="Laplace exact Hessian" if order == 2 else "log joint",
+            disable=not progress,
+            leave=False,
+        )
+        for args, kwargs, context in bar:
             z = flat.detach().requires_grad_(order > 0)
             values, log_jacobian = self.sites.constrain(self.sites.unpack(z))
             with torch.set_grad_enabled(order > 0), context, _PassTerms(values) as terms:

@@ -268,3 +268,19 @@ def test_a_latent_in_a_plate_of_constant_size(curvature, helpers):
     )
     trace = pyro.poutine.trace(guide).get_trace(problem.x, problem.y)
     assert trace.nodes["w"]["cond_indep_stack"][0].name == "features"
+
+
+@pytest.mark.parametrize("name", ["coin", "logistic_subsample"])
+def test_the_new_fits_survive_save_and_load(name, tmp_path):
+    # An exact-Hessian fit of a constrained site, and a GGN fit of a subsampled model:
+    # bdl.load rebuilds the sites from the model and restores the Gaussian.
+    model, args, kwargs = MODELS[name].make()
+    guide = _fit(model, args, kwargs)
+    bdl.save(guide, tmp_path / "posterior")
+    loaded = bdl.load(tmp_path / "posterior", model, model_args=args, model_kwargs=kwargs)
+    assert loaded.exact_hessian_reason == guide.exact_hessian_reason
+    for site, value in guide.median().items():
+        torch.testing.assert_close(loaded.median()[site], value)
+    for site, value in guide.variance().items():
+        torch.testing.assert_close(loaded.variance()[site], value)
+    torch.testing.assert_close(loaded.log_marginal_likelihood(), guide.log_marginal_likelihood())
