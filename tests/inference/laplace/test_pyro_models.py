@@ -284,3 +284,20 @@ def test_the_new_fits_survive_save_and_load(name, tmp_path):
     for site, value in guide.variance().items():
         torch.testing.assert_close(loaded.variance()[site], value)
     torch.testing.assert_close(loaded.log_marginal_likelihood(), guide.log_marginal_likelihood())
+
+
+def test_a_deterministic_site_is_not_a_likelihood(helpers):
+    # The third reproducer: pyro.deterministic was counted as an observed site.
+    problem = helpers.LinearGaussian(alpha=1.0, sigma=0.5)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        mean = pyro.deterministic("mean", x @ w)
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(mean, 0.5), obs=y)
+
+    for curvature in ("kron", "full"):  # K-FAC: a vector used by x @ w is diagonal
+        guide = _fit(model, (problem.x, problem.y), {}, curvature)
+        assert guide.exact_hessian_reason is None
+        torch.testing.assert_close(guide.median()["w"], problem.mean, **TOLERANCE)
+    torch.testing.assert_close(_covariance(guide, helpers), problem.covariance)
