@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from operator import attrgetter
 
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.distributions import constraints
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoGuide
 from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
@@ -28,6 +30,7 @@ from tqdm.auto import trange
 from pyro_bdl import distributed
 from pyro_bdl._checks import function, instance, integer
 from pyro_bdl.inference.minibatch import Minibatches
+from pyro_bdl.inference.sites import LatentSites
 from pyro_bdl.lift import init_to_module
 
 __all__ = ["fit_map", "MaskPriors"]
@@ -106,8 +109,14 @@ def minimise(
     mle: bool,
     init_loc_fn: Callable,
     progress: bool,
+    jacobian: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """The optimisation of :func:`fit_map`, returning the values and every step's loss."""
+    """The optimisation of :func:`fit_map`, returning the values and every step's loss.
+
+    With ``jacobian`` the point is the mode of the log joint in the unconstrained space,
+    :math:`\\log p(\\mathcal{D}, T(z)) + \\log|\\partial x / \\partial z|`, which Pyro's
+    ``AutoLaplaceApproximation`` fits (the same as the MAP for real sites).
+    """
     function("model", model, "a Pyro model (a callable)")
     num_steps = integer("num_steps", num_steps, low=0)
     if optimizer is not None:
@@ -117,7 +126,7 @@ def minimise(
     batches = Minibatches(args, kwargs)
     fitted_model = MaskPriors()(model) if mle else model
     _drop_params()
-    guide = _FitMapDelta(fitted_model, init_loc_fn=init_loc_fn)
+    guide = _FitMapDelta(fitted_model, init_loc_fn=init_loc_fn, jacobian=jacobian)
     # Set the guide up without autograd: its prototype trace would otherwise keep the
     # graph, and so the activations, of a whole forward pass for the entire fit.
     first_args, first_kwargs = batches.peek()
@@ -126,7 +135,11 @@ def minimise(
     # data-parallel (torchrun): rank 0's start, gradients averaged at every step
     distributed.broadcast_([value for _, value in sorted(guide.named_parameters())])
     averaged = distributed.DataParallelOptim(optimizer or pyro.optim.Adam({"lr": 1e-3}))
-    svi = SVI(fitted_model, guide, averaged, Trace_ELBO())
+    # A model whose latent has batch dimensions outside any plate (Pyro's eight schools
+    # example) is a log joint all the same; Trace_ELBO's shape check, made when it guesses
+    # the plate nesting, would refuse it.
+    nesting = _plate_nesting(fitted_model, first_args, first_kwargs) if jacobian else math.inf
+    svi = SVI(fitted_model, guide, averaged, Trace_ELBO(max_plate_nesting=nesting))
     bar = trange(num_steps, desc="MLE" if mle else "MAP", disable=not progress, leave=False)
     losses = []
     for _ in bar:
@@ -143,6 +156,20 @@ def minimise(
     # from this one's result. Point weights (the model's own params) stay.
     _drop_params()
     return fitted, losses
+
+
+def _plate_nesting(model: Callable, args: tuple, kwargs: dict) -> int:
+    """How many plates deep the model's sites go (Trace_ELBO's ``max_plate_nesting``)."""
+    with torch.no_grad(), pyro.poutine.block():
+        trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+    dims = [
+        -frame.dim
+        for site in trace.nodes.values()
+        if site["type"] == "sample"
+        for frame in site["cond_indep_stack"]
+        if frame.dim is not None
+    ]
+    return max(dims, default=0)
 
 
 def still_falling(losses: list[float]) -> tuple[float, float] | None:
@@ -206,20 +233,35 @@ def _learning_rate(optimizer: pyro.optim.PyroOptim | None) -> str:
 
 
 class _FitMapDelta(AutoDelta):
-    """An AutoDelta whose locations sit under ``.locs`` (params ``_FitMapDelta.locs.*``).
+    """An AutoDelta whose params (``_FitMapDelta.locs.*``) belong to fit_map alone.
 
-    Pyro's AutoDelta sets each site's location at the attribute path of the site's name
-    on the guide itself, so a site named after one of the guide's own attributes (the
-    ``model.*`` weights of every Hugging Face causal LM: ``AutoGuide.model``) lands on
-    that attribute instead, outside the guide's parameters, and is never trained. Kept
-    in a child module, as AutoNormal keeps its ``locs``, every site name is free. The
-    params' ``_FitMapDelta.`` prefix marks them as fit_map's alone.
+    The locations sit in a child module ``.locs``, as AutoNormal keeps its own: Pyro's
+    AutoDelta sets each site's location at the attribute path of the site's name on the
+    guide itself, so a site named after one of the guide's attributes (the ``model.*``
+    weights of every Hugging Face causal LM: ``AutoGuide.model``) would land on that
+    attribute, outside the guide's parameters, and never be trained.
+
+    With ``jacobian`` its params are the unconstrained values :math:`z` of the sites
+    (``biject_to``, see :mod:`pyro_bdl.inference.sites`) and each site's ``Delta`` carries
+    :math:`\\log|\\partial z / \\partial x|`, so that the ELBO is the log joint with the
+    Jacobian, as with ``AutoLaplaceApproximation``'s ``Delta``.
     """
 
-    def _setup_prototype(self, *args, **kwargs):
+    def __init__(self, model, init_loc_fn, jacobian: bool = False):
+        self.jacobian = jacobian
+        super().__init__(model, init_loc_fn=init_loc_fn)
+
+    def _setup_prototype(self, *args, **kwargs) -> None:
         AutoGuide._setup_prototype(self, *args, **kwargs)
         self.locs = PyroModule()
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
+        if self.jacobian:
+            self.sites = LatentSites(self.prototype_trace, "LaplaceGuide")
+            values = {name: site.message["value"].detach() for name, site in self.sites.items()}
+            for name, z in self.sites.unconstrain(values).items():
+                z = PyroParam(z.detach().clone(), constraints.real, self.sites[name].event_dim)
+                deep_setattr(self.locs, name, z)
+            return
+        for name, site in self.prototype_trace.iter_stochastic_nodes():  # AutoDelta's start
             value = site["value"].detach()
             event_dim = site["fn"].event_dim
             for frame in site["cond_indep_stack"]:  # subsampled: the full size's values
@@ -234,15 +276,31 @@ class _FitMapDelta(AutoDelta):
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
         result = {}
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
-            with contextlib.ExitStack() as stack:
-                for frame in site["cond_indep_stack"]:
-                    if frame.vectorized:
-                        stack.enter_context(plates[frame.name])
-                location = operator.attrgetter(name)(self.locs)
-                delta = dist.Delta(location, event_dim=site["fn"].event_dim)
+        for name, frames, delta in self._deltas():
+            with ExitStack() as stack:
+                for frame in frames:
+                    stack.enter_context(plates[frame.name])
                 result[name] = pyro.sample(name, delta)
         return result
+
+    def _deltas(self) -> Iterator[tuple[str, list, dist.Delta]]:
+        """Every latent site's name, vectorised plates and ``Delta`` at its location."""
+        if self.jacobian:
+            for name, site in self.sites.items():
+                yield name, site.frames, site.delta(attrgetter(name)(self.locs))
+            return
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            frames = [frame for frame in site["cond_indep_stack"] if frame.vectorized]
+            location = attrgetter(name)(self.locs)
+            yield name, frames, dist.Delta(location, event_dim=site["fn"].event_dim)
+
+    @torch.no_grad()
+    def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        if not self.jacobian:
+            return super().median(*args, **kwargs)
+        locations = {name: attrgetter(name)(self.locs) for name in self.sites}
+        values, _ = self.sites.constrain(locations)
+        return values
 
 
 def _drop_params() -> None:
