@@ -13,15 +13,17 @@ measure                                          against                        
                                                  the Pyro model (its likelihood
                                                  normalises the logits: a pass over
                                                  ``(B, L, V)`` of its own)
-``token_uncertainty`` peak memory, S = 16        the same with S = 1                 1.0
+``token_uncertainty`` peak memory, S = 16        the same with S = 4 (and S = 1)     1.0
 ``generate`` with S draws, tokens per second     Hugging Face ``generate`` run S     0.9
                                                  times, tokens per second
 ===============================================  ==================================  ======
 
 The first is the streaming decomposition's own cost (a softmax, an entropy and a running
 sum over the vocabulary per draw and position) above the network's forward; the second
-says memory is flat in S (one draw's logits and running sums, never ``(S, B, L, V)``); the
-third is the price of decoding from the model average with one key-value cache per draw
+says memory is flat in S (one draw's logits and running sums, never ``(S, B, L, V)``;
+against S = 1 the peak is higher by the running sums, which a single draw's forward does
+not hold yet, so flat is measured from S = 4); the third is the price of decoding from the
+model average with one key-value cache per draw
 (the ratio is HF's tokens per second times S over ours' over S draws: 1 means the same
 cost as S separate greedy decodes, which give no model average and no uncertainty).
 
@@ -214,7 +216,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, value in seconds.items():
         print(f"| {name} | {1e3 * value:.1f} ms | {peaks[name]['above']:.0f} {unit} |")
-    low, high = args.draws[0], args.draws[-1]
+    high = args.draws[-1]
     print("\n| measure | ratio | target |")
     print("|---|---|---|")
     for count in args.draws:
@@ -223,10 +225,14 @@ def main() -> None:
             print(
                 f"| token_uncertainty per draw / {baseline}, S = {count} | {ratio:.3f} | <= 1.1 |"
             )
-    memory_ratio = peaks[f"uncertainty_S{high}"]["above"] / max(
-        peaks[f"uncertainty_S{low}"]["above"], 1e-9
-    )
-    print(f"| token_uncertainty peak memory, S = {high} / S = {low} | {memory_ratio:.2f} | 1.0 |")
+    # From the second draw on, the running sums (one (B, L, V) mean) are held during the
+    # forward; with one draw they are not yet: flat in S means flat from S = 2 on.
+    for base in args.draws[:2]:
+        if base < high:
+            ratio = peaks[f"uncertainty_S{high}"]["above"] / max(
+                peaks[f"uncertainty_S{base}"]["above"], 1e-9
+            )
+            print(f"| token_uncertainty peak memory, S = {high} / S = {base} | {ratio:.2f} | 1.0 |")
     for count in args.draws:
         # tokens per second of ours over those of S separate HF decodes
         ratio = seconds["hf_generate"] / seconds[f"generate_S{count}"]

@@ -32,10 +32,13 @@ Here, with the same structure at laptop scale:
   adapter weight.
 - **the test** (the statements' role): the same ``n`` FLORES-200 ``devtest`` sentences in
   English and in Samoan (a seeded choice, the same for every method and seed), each cut
-  before its last word (trailing punctuation dropped); the model is scored on the first
-  token of that word (with bytes, its first letter: the space before it joins the
-  context), :func:`pyro_bdl.lm.token_uncertainty` at that one position: TU, EU and the
-  next-token loss :math:`-\log \bar p(\text{token})` under the model average.
+  before its last word (trailing punctuation dropped); the model is scored on the tokens
+  of that word (at most 16; with bytes, its letters: the space before it joins the
+  context), :func:`pyro_bdl.lm.token_uncertainty` at each: TU, EU and the next-token loss
+  :math:`-\log \bar p(\text{token})` under the model average, each averaged over the
+  word. The paper's next token is the word's first (BPE) token; with bytes that is one
+  letter, which is about as unpredictable in English as in Samoan, so the whole word is
+  the main score and its first token alone the variant (``first_token_table``).
   The AUROC of TU and of EU for telling Samoan from English is the paper's metric.
 
 The methods (every chain and fit the same number of minibatch steps, ``epochs`` passes):
@@ -56,10 +59,10 @@ The methods (every chain and fit the same number of minibatch steps, ``epochs`` 
   :func:`~pyro_bdl.inference.fit_blob` (A random, B a point estimate), the same steps,
   ``blob_samples`` draws.
 
-Hyperparameters are chosen on the validation sentences, never on the test: the step size
-:math:`\epsilon` of SGD (then used by every SGHMC chain, as the paper uses one learning
-rate; friction 1, so the effective SGD learning rate is :math:`\epsilon`) and BLoB's
-learning rate, each from a grid, at seed 0, by the validation loss. Seeds change the LoRA
+Hyperparameters are chosen on the validation sentences, never on the test: the learning
+rate of SGD at momentum 0.9 (then used by every SGHMC chain, as the paper uses one learning
+rate: step size and friction from :func:`sghmc_parameters`) and BLoB's learning rate,
+each from a grid, at seed 0, by the validation loss. Seeds change the LoRA
 initialisations, the batch orders and the chains' noise; the base, tokenizer and data are
 shared. ``results.json`` records every size, the choices and each cell's CPU time.
 
