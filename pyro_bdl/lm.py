@@ -49,7 +49,7 @@ from tqdm.auto import trange
 
 from pyro_bdl._checks import function, instance, integer, one_of, real
 from pyro_bdl._draws import draw_at
-from pyro_bdl.lift import LiftedModule
+from pyro_bdl.lift import LiftedModule, recording_calls
 from pyro_bdl.metrics import _entropy
 from pyro_bdl.predict import condition_on_sites, guide_draw, posterior_size
 
@@ -532,11 +532,9 @@ def _network(
     """The lifted language model that ``model`` runs: ``model.net``, or the one it calls."""
     net = getattr(model, "net", None)
     if not isinstance(net, LiftedModule):
-        from pyro_bdl.inference.vi.blob import _recording_lifted_calls
-
         draw = _one_draw(samples, guide, 0, (prompts, None))
         batch = {**prompts, "labels": _labels(prompts, prompts["input_ids"])}
-        with _recording_lifted_calls() as called:
+        with recording_calls() as called:
             condition_on_sites(model, draw, strict=True)(batch, None)
         if len(called) != 1:
             raise ValueError(
