@@ -19,7 +19,7 @@ data brings out. The script:
 
     python examples/bayesian_llm_generation.py --data-dir ../shared/data --out results/gen
 
-About three minutes of one CPU core; ``--quick`` runs in seconds (and its model is too
+About a minute and a half of one CPU core; ``--quick`` runs in seconds (and its model is too
 small to say anything).
 """
 
