@@ -25,7 +25,9 @@ _spec.loader.exec_module(cases)
 
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-9}
 STEPS, BATCH = 4, 4
-BLOB = {"eps": 0.1, "kl_lr": 0.01}
+# Uniform KL weights (1 / batches per epoch): over four steps BLoB's exponential weights of
+# a cycle of 25 or more steps are all below 1e-7, and the KL would not count.
+BLOB = {"eps": 0.1, "kl_lr": 0.01, "kl_weighting": "uniform"}
 IVON = {"hess_init": 0.5, "beta2": 0.99}
 
 
@@ -72,6 +74,7 @@ def test_blob_trainer_steps_are_fit_blobs(kind, tmp_path):
         num_steps=STEPS,
         lr=1e-2,
         kl_lr=BLOB["kl_lr"],
+        kl_weighting="uniform",
         weight_decay=0.01,
         warmup_ratio=0.25,
         max_grad_norm=0.5,
@@ -99,3 +102,25 @@ def test_ivon_trainer_steps_are_fit_ivons(kind, tmp_path):
         progress=False,
     )
     cases.assert_same(cases.posterior(guide), trained, **TOLERANCE)
+
+
+@pytest.mark.parametrize("microbatch, accumulation", [(2, 2), (1, 4)])
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+@pytest.mark.parametrize("trainer_class", [BLoBTrainer, IVONTrainer])
+def test_accumulated_microbatches_take_the_step_of_one_batch(
+    trainer_class, kind, microbatch, accumulation, tmp_path
+):
+    # k microbatches of B share the step's weight noise; their gradients (and IVON's
+    # Hessian estimate) are averaged and BLoB's KL weight is the k B batch's. Flipout's
+    # signs are drawn per example, microbatch by microbatch: off, so that the draws match.
+    settings = {**BLOB, "flipout": False} if trainer_class is BLoBTrainer else IVON
+    one, _ = _trained(trainer_class, kind, tmp_path / "one", settings)
+    accumulated, _ = _trained(
+        trainer_class,
+        kind,
+        tmp_path / "accumulated",
+        settings,
+        per_device_train_batch_size=microbatch,
+        gradient_accumulation_steps=accumulation,
+    )
+    cases.assert_same(accumulated, one, **TOLERANCE)
