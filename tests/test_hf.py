@@ -124,3 +124,29 @@ def test_accumulated_microbatches_take_the_step_of_one_batch(
         gradient_accumulation_steps=accumulation,
     )
     cases.assert_same(accumulated, one, **TOLERANCE)
+
+
+@pytest.mark.parametrize("trainer_class", [BLoBTrainer, IVONTrainer])
+def test_a_checkpoint_resumes_to_the_uninterrupted_run(trainer_class, tmp_path):
+    # Shuffled batches and flipout, a checkpoint after step 3 of 4 per epoch, 6 steps: the
+    # resumed run restores the posterior, the method's state and the Trainer's (batches
+    # skipped, random state) and ends where the uninterrupted run ends.
+    settings = BLOB if trainer_class is BLoBTrainer else IVON
+    arguments = {
+        "max_steps": 6,
+        "train_sampling_strategy": "random",
+        "save_strategy": "steps",
+        "save_steps": 3,
+        "max_grad_norm": 1.0,
+    }
+    uninterrupted, _ = _trained(trainer_class, "bert", tmp_path / "run", settings, **arguments)
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert (checkpoint / "posterior" / "manifest.json").is_file()
+    trainer = trainer_class(
+        model=cases.bert(),
+        args=cases.arguments(tmp_path / "resumed", **arguments),
+        train_dataset=cases.Examples("bert"),
+        **settings,
+    )
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    cases.assert_same(cases.posterior(trainer.guide), uninterrupted, **TOLERANCE)

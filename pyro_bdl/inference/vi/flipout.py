@@ -126,10 +126,16 @@ class LoRAFlipout:
         self._attached = True
 
     def detach(self) -> None:
-        """Take flipout out: every layer runs as plain LoRA again."""
+        """Take flipout out: every layer runs as plain LoRA again.
+
+        A layer that another guide's flipout has taken over since (a guide loaded in place
+        of this one) keeps that flipout.
+        """
         for layer in self._layers.values():
-            layer.__dict__.pop("forward", None)
-            layer.__dict__.pop("_bdl_flipout", None)
+            reference, _ = layer.__dict__.get("_bdl_flipout", (None, None))
+            if reference is not None and reference() is self:
+                layer.__dict__.pop("forward", None)
+                layer.__dict__.pop("_bdl_flipout", None)
         self._attached = False
 
 
