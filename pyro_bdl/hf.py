@@ -561,7 +561,13 @@ class LaplaceCallback(TrainerCallback):
         training = model.training
         model.eval()
         try:
-            guide.fit(train_dataloader, num_data, map=False, mode_tolerance=None)
+            guide.fit(
+                train_dataloader,
+                num_data,
+                map=False,
+                mode_tolerance=None,
+                progress=not args.disable_tqdm and state.is_local_process_zero,
+            )
             if validation is None:
                 guide.optimize_prior_precision("marglik", num_steps=self.num_steps)
             else:

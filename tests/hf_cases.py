@@ -20,8 +20,8 @@ from transformers import (
 VOCAB, LENGTH, NUM_LABELS = 40, 6, 3
 
 
-def bert(seed: int = 0, dtype: torch.dtype = torch.float64):
-    """A 2-layer BERT classifier with LoRA on the queries and values and a trained head."""
+def bert_base(seed: int = 0, dtype: torch.dtype = torch.float64):
+    """A 2-layer BERT classifier without adapters, its weights from ``seed``."""
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=VOCAB,
@@ -34,7 +34,11 @@ def bert(seed: int = 0, dtype: torch.dtype = torch.float64):
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    base = BertForSequenceClassification(config).to(dtype)
+    return BertForSequenceClassification(config).to(dtype)
+
+
+def bert(seed: int = 0, dtype: torch.dtype = torch.float64):
+    """A 2-layer BERT classifier with LoRA on the queries and values and a trained head."""
     lora = LoraConfig(
         r=2,
         lora_alpha=4,
@@ -42,7 +46,7 @@ def bert(seed: int = 0, dtype: torch.dtype = torch.float64):
         target_modules=["query", "value"],
         modules_to_save=["classifier"],
     )
-    return get_peft_model(base, lora)
+    return get_peft_model(bert_base(seed, dtype), lora)
 
 
 def llama(seed: int = 0, dtype: torch.dtype = torch.float64):
@@ -59,7 +63,11 @@ def llama(seed: int = 0, dtype: torch.dtype = torch.float64):
     )
     base = LlamaForCausalLM(config).to(dtype)
     lora = LoraConfig(
-        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        r=2,
+        lora_alpha=4,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "v_proj"],
+        task_type="CAUSAL_LM",
     )
     return get_peft_model(base, lora)
 

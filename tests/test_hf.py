@@ -32,13 +32,17 @@ IVON = {"hess_init": 0.5, "beta2": 0.99}
 
 
 def _trained(trainer_class, kind, tmp_path, settings, **arguments):
-    """A Trainer's posterior after training, the random state it began with, its model."""
+    """A Trainer's posterior after training and the random state it began with.
+
+    :param kind: ``"bert"`` or ``"llama"``, or a peft BERT model.
+    """
     pyro.clear_param_store()
     start = cases.RandomState()
+    model = cases.MODELS[kind]() if isinstance(kind, str) else kind
     trainer = trainer_class(
-        model=cases.MODELS[kind](),
+        model=model,
         args=cases.arguments(tmp_path, **arguments),
-        train_dataset=cases.Examples(kind),
+        train_dataset=cases.Examples("bert" if model is kind else kind),
         callbacks=[start],
         **settings,
     )
@@ -52,7 +56,9 @@ def _loader(kind, batch_size=BATCH):
     from transformers import default_data_collator
 
     data = cases.Examples(kind)
-    return torch.utils.data.DataLoader(data, batch_size=batch_size, collate_fn=default_data_collator)
+    return torch.utils.data.DataLoader(
+        data, batch_size=batch_size, collate_fn=default_data_collator
+    )
 
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
@@ -150,3 +156,110 @@ def test_a_checkpoint_resumes_to_the_uninterrupted_run(trainer_class, tmp_path):
     )
     trainer.train(resume_from_checkpoint=str(checkpoint))
     cases.assert_same(cases.posterior(trainer.guide), uninterrupted, **TOLERANCE)
+
+
+def _autocast_run(trainer_class, tmp_path, **arguments):
+    """A float32 run's posterior and the dtypes the first LoRA A layer computed in."""
+    model = cases.bert(dtype=torch.float32)
+    dtypes = set()
+    layer = next(m for name, m in model.named_modules() if name.endswith("lora_A.default"))
+    layer.register_forward_hook(lambda module, inputs, output: dtypes.add(output.dtype))
+    settings = BLOB if trainer_class is BLoBTrainer else IVON
+    trained, _ = _trained(trainer_class, model, tmp_path, settings, **arguments)
+    return trained, dtypes
+
+
+@pytest.mark.parametrize("trainer_class", [BLoBTrainer, IVONTrainer])
+def test_bf16_autocast_keeps_the_adapters_and_variational_parameters_in_float32(
+    trainer_class, tmp_path
+):
+    reference, _ = _autocast_run(trainer_class, tmp_path / "fp32")
+    trained, dtypes = _autocast_run(trainer_class, tmp_path / "bf16", bf16=True)
+    assert torch.bfloat16 in dtypes  # accelerate's autocast ran the LoRA layers in bf16
+    assert {value.dtype for value in trained.values()} == {torch.float32}
+    # bf16 keeps 8 bits of mantissa (relative rounding 2^-8 = 0.4%): the gradients, and so
+    # the four steps, are within a few percent of float32's (2% at most measured).
+    for key, value in reference.items():
+        assert float((trained[key] - value).norm() / value.norm()) < 0.05, key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast needs a CUDA device")
+@pytest.mark.parametrize("trainer_class", [BLoBTrainer, IVONTrainer])
+def test_fp16_autocast_with_a_loss_scaler_on_cuda(trainer_class, tmp_path):
+    # accelerate's GradScaler scales each microbatch's loss and unscales the method's sums
+    # (the optimiser's tensors) before the update; a step that overflowed is skipped.
+    reference, _ = _autocast_run(trainer_class, tmp_path / "fp32", use_cpu=False)
+    trained, dtypes = _autocast_run(trainer_class, tmp_path / "fp16", use_cpu=False, fp16=True)
+    assert torch.float16 in dtypes
+    assert {value.dtype for value in trained.values()} == {torch.float32}
+    for key, value in reference.items():  # fp16: 11 bits of mantissa, closer than bf16
+        assert float((trained[key] - value).norm() / value.norm()) < 0.05, key
+
+
+def test_bad_settings_are_errors_naming_the_fix(tmp_path):
+    from peft import IA3Config, get_peft_model
+
+    data = cases.Examples("bert")
+    args = cases.arguments(tmp_path)
+    no_lora = cases.bert_base()
+    ia3 = get_peft_model(cases.bert_base(), IA3Config(target_modules=["key", "value"]))
+    for trainer_class in (BLoBTrainer, IVONTrainer):
+        for model in (no_lora, ia3):
+            with pytest.raises(ValueError, match=f"{trainer_class.__name__}.*LoRA"):
+                trainer_class(model=model, args=args, train_dataset=data)
+        # 16 examples in batches of 4 are 4 batches per epoch: 8 microbatches per step can
+        # never be gathered, every step would be cut short
+        accumulation = cases.arguments(tmp_path, gradient_accumulation_steps=8)
+        with pytest.raises(ValueError, match="gradient_accumulation_steps=8"):
+            trainer_class(model=cases.bert(), args=accumulation, train_dataset=data)
+        with pytest.raises(ValueError, match="optimizers"):
+            optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+            trainer_class(model=cases.bert(), args=args, optimizers=(optimizer, None))
+        with pytest.raises(ValueError, match="num_samples"):
+            trainer_class(model=cases.bert(), args=args, train_dataset=data, num_samples=-1)
+    with pytest.raises(ValueError, match="ess must be a positive"):
+        IVONTrainer(model=cases.bert(), args=args, train_dataset=data, ess=0)
+    # BLoB's B is a point weight: a lora_model with random B is refused, naming the layout
+    both_random = LoRAModel.from_peft(cases.bert())
+    with pytest.raises(ValueError, match="adapters_random='A'"):
+        BLoBTrainer(model=both_random, args=args, train_dataset=data)
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_laplace_callback_is_laplace_guide_fit_on_the_trainers_checkpoint(validation, tmp_path):
+    # A plain Trainer fine-tunes (AdamW, shuffled batches); the callback fits K-FAC at the
+    # end over its training dataloader and tunes the prior precision by the evidence, or by
+    # the grid on validation data. The same fit from the saved adapter, on batches in
+    # another order, gives the same posterior (K-FAC's sums differ by rounding only).
+    from transformers import Trainer, default_data_collator
+
+    from pyro_bdl.hf import LaplaceCallback
+    from pyro_bdl.inference import LaplaceGuide
+    from pyro_bdl.models import lora_model
+
+    val = cases.Examples("bert", size=8, seed=2)
+    callback = LaplaceCallback("kron", num_steps=100, val_dataset=val if validation else None)
+    trainer = Trainer(
+        model=cases.bert(),
+        args=cases.arguments(tmp_path, train_sampling_strategy="random", learning_rate=1e-2),
+        train_dataset=cases.Examples("bert"),
+        callbacks=[callback],
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "finetuned"))
+    assert (tmp_path / "posterior" / "manifest.json").is_file()  # bdl.save's, by the callback
+
+    pyro.clear_param_store()
+    lora = lora_model(cases.bert_base(), adapter=tmp_path / "finetuned")
+    guide = LaplaceGuide(lora.model, curvature="kron")
+    train = _loader("bert")
+    guide.fit(train, len(cases.Examples("bert")), map=False, mode_tolerance=None, progress=False)
+    if validation:
+        loader = torch.utils.data.DataLoader(val, batch_size=4, collate_fn=default_data_collator)
+        guide.optimize_prior_precision("gridsearch", loader, len(cases.Examples("bert")))
+    else:
+        guide.optimize_prior_precision("marglik", num_steps=100)
+    expected = guide.approximation_parameters()
+    cases.assert_same(callback.guide.approximation_parameters(), expected, **TOLERANCE)
+    for site, delta in guide.prior_precision.items():
+        torch.testing.assert_close(callback.guide.prior_precision[site], delta, **TOLERANCE)
