@@ -208,14 +208,13 @@ class _VariationalTrainer(Trainer):
         :param dict batch: a batch of the collator (labels are not needed).
         :return: probabilities ``(B, C)`` (``(B, L, V)`` for a causal LM).
         """
-        model, num_data = self.lora.model, self.num_data
+        model = self.lora.model  # num_data None: the likelihood's scale plays no part here
         if self.num_samples == 0:
             means = {name: value.unsqueeze(0) for name, value in self.guide.median().items()}
-            return predict_proba(model, batch, num_data, samples=means)[0]
+            return predict_proba(model, batch, None, samples=means)[0]
         total = 0.0
         for _ in range(self.num_samples):  # one draw at a time: no (S, B, L, V) tensor
-            draw = predict_proba(model, batch, num_data, guide=self.guide, num_samples=1)
-            total = total + draw[0]
+            total = total + predict_proba(model, batch, None, guide=self.guide, num_samples=1)[0]
         return total / self.num_samples
 
     # -- checkpoints --------------------------------------------------------------------------
