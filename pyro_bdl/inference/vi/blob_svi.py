@@ -187,6 +187,7 @@ class BLoBSVI:
         self._optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None = None
         self._pending: list[dict] | None = None  # optimiser states loaded before the first step
         self._window: _Window | None = None  # the step being accumulated
+        self._grad_tensors: list[torch.Tensor] = []
 
     def step(self, *args, **kwargs) -> dict[str, torch.Tensor | float]:
         """Take one step on the minibatch that ``args`` and ``kwargs`` hold.
@@ -218,7 +219,7 @@ class BLoBSVI:
         if self._optimizers is None:
             self._setup(run)
         if window.count == 0:  # the sums of the step's gradients start here
-            for param in self.grad_tensors():
+            for param in self._grad_tensors:
                 param.grad = torch.zeros_like(param)
         nll = -_log_likelihood(run.observed) / self.num_data
         self.backward(nll)
@@ -235,7 +236,7 @@ class BLoBSVI:
         window = self._window
         if window is None or window.reduced:
             return
-        grads = [param.grad for param in self.grad_tensors()]
+        grads = [param.grad for param in self._grad_tensors]
         window.microbatches = distributed.mean_of_sums_([*grads, window.nll], window.count)
         window.reduced = True
 
@@ -276,12 +277,7 @@ class BLoBSVI:
     def grad_tensors(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` :meth:`accumulate` fills: the means, the point
         weights and :math:`G` (empty before the first microbatch)."""
-        if self._optimizers is None:
-            return []
-        likelihood_optimizer, kl_optimizer = self._optimizers
-        means = likelihood_optimizer.param_groups[0]["params"]
-        seen = {id(param) for param in means}
-        return [*means, *(p for p in kl_optimizer.param_groups[0]["params"] if id(p) not in seen)]
+        return list(self._grad_tensors)
 
     def _setup(self, run: _Substitute) -> None:
         self.num_data, self._batch_size = _data_sizes(run.observed)
@@ -299,6 +295,7 @@ class BLoBSVI:
         )
         kl_optimizer = torch.optim.SGD([*locs, *scale_params], lr=self.kl_lr, foreach=True)
         self._optimizers = (likelihood_optimizer, kl_optimizer)
+        self._grad_tensors = [*locs, *point_weights, *scale_params]
         if self._pending is not None:
             for optimizer, saved in zip(self._optimizers, self._pending):
                 optimizer.load_state_dict(saved)
