@@ -212,7 +212,8 @@ def _check_arguments(arguments: dict) -> dict:
     if isinstance(base, PeftModel):
         raise TypeError(
             "lora_model: base is already a peft model; pass its base model "
-            "(peft_model.get_base_model() before adapters were added) or adapter=<directory>"
+            "(peft_model.get_base_model() before adapters were added) or adapter=<directory>, "
+            "or take it as it is with LoRAModel.from_peft(peft_model)"
         )
     if not isinstance(base, (str, os.PathLike, PreTrainedModel)):
         raise TypeError(
