@@ -179,6 +179,9 @@ class _VariationalTrainer(Trainer):
         gradient norm before the clip, BLoB's KL and its weight)."""
         record = self.optimizer_step.record if self.optimizer is not None else {}
         if "loss" in logs and record:
+            # the Trainer's own grad_norm is of the peft model's parameters, which the
+            # method does not train (it substitutes its tensors): 0, so left out
+            logs.pop("grad_norm", None)
             for key, value in record.items():
                 if key not in ("loss", "nll"):
                     logs[key] = float(value)
@@ -472,12 +475,8 @@ class _MethodStep(torch.optim.Optimizer):
         if not params:
             params.extend(self.svi.grad_tensors())
 
-    @torch.no_grad()
     def step(self, closure=None) -> None:
-        with torch.enable_grad():
-            self.record = self.svi.update(
-                **{group["name"]: group["lr"] for group in self.param_groups}
-            )
+        self.record = self.svi.update(**{group["name"]: group["lr"] for group in self.param_groups})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # the method clears its sums at each update: between microbatches they must stay

@@ -374,7 +374,7 @@ class LoRAModel:
         :param str adapters_random: ``"AB"`` or ``"A"`` (B a point estimate, for BLoB).
         :param prior: the prior of the random sites (default ``IIDNormal(prior_scale)``).
         :param float prior_scale: the standard deviation of the default prior.
-        :param tokenizer: kept as :attr:`tokenizer`.
+        :param tokenizer: the tokenizer, kept beside the model.
         :raises ValueError: if the model has no LoRA layers.
         """
         if not isinstance(peft_model, PeftModel):
