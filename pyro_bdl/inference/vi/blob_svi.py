@@ -206,7 +206,7 @@ class BLoBSVI:
 
         :return: the microbatch's mean NLL (a 0-d tensor on the model's device).
         """
-        self.guide._require_setup(*args, **kwargs)
+        self.guide._ensure_setup(*args, **kwargs)
         if self._window is None:
             self._window = _Window(_NoiseState(self.guide.flat_parameters()[0][0].device))
         window = self._window
