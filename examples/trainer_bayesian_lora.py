@@ -17,7 +17,7 @@ scored: it prints the calibration table (accuracy, NLL, ECE, Brier) and writes
 
     python examples/trainer_bayesian_lora.py --data-dir ../shared/data --out results/trainer
 
-About 20 minutes of one CPU core (1,024 training sentences, 3 epochs per method);
+About 50 minutes on two busy CPU cores (1,024 training sentences, 3 epochs per method);
 ``--quick`` runs in seconds on 32 sentences.
 """
 
