@@ -111,8 +111,11 @@ def trainers(args: argparse.Namespace, size: dict, out: str) -> dict[str, tuple]
             seed=args.seed,
         )
         model = peft_model(args, size)
+        settings = {"flipout": False} if trainer_class is BLoBTrainer and args.no_flipout else {}
         made[name] = (
-            trainer_class(model=model, args=arguments, train_dataset=data, callbacks=[timer]),
+            trainer_class(
+                model=model, args=arguments, train_dataset=data, callbacks=[timer], **settings
+            ),
             timer,
         )
     return made
@@ -126,6 +129,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (1 warm-up)")
     parser.add_argument("--steps", type=int, default=4, help="steps per Trainer per round")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-flipout", action="store_true", help="BLoB without flipout")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
