@@ -30,7 +30,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from tqdm.auto import tqdm
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import function, instance, integer, one_of, real
+from pyro_bdl._checks import function, instance, integer, one_of, real, site_keys
 from pyro_bdl._draws import kept_draws
 from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
@@ -245,15 +245,10 @@ class LaplaceGuide(AutoGuide):
 
     def _checked_values(self, values: Mapping) -> dict[str, torch.Tensor]:
         """``fit(map=values)``: one finite tensor per latent site, of the site's shape."""
+        site_keys("fit(map=...)", values, self._sites, "the model's latent sites")
         missing = [name for name in self._sites if name not in values]
         if missing:
             raise ValueError(f"fit(map=...): no value for the latent sites {missing[:5]}")
-        unknown = [name for name in values if name not in self._sites]
-        if unknown:
-            raise ValueError(
-                f"fit(map=...): {unknown[:5]} are not latent sites of the model; its latent "
-                f"sites are {list(self._sites)[:5]}"
-            )
         checked = {}
         for name, site in self._sites.items():
             like = site["value"]
@@ -523,12 +518,7 @@ class LaplaceGuide(AutoGuide):
         value = _checked_precision(value)
         precision = dict(self._model_precision)
         if isinstance(value, Mapping):
-            unknown = [name for name in value if name not in precision]
-            if unknown:
-                raise ValueError(
-                    f"prior_precision names unknown sites {unknown[:5]}; the latent sites are "
-                    f"{list(precision)[:5]}"
-                )
+            site_keys("prior_precision", value, precision, "the model's latent sites")
             precision.update({name: torch.as_tensor(v) for name, v in value.items()})
         elif value is not None:
             precision = {name: torch.as_tensor(value) for name in precision}
