@@ -44,6 +44,7 @@ directory:
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from pyro.infer.autoguide.initialization import init_to_value
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
+from tqdm.auto import tqdm
 
 import pyro_bdl as bdl
 from pyro_bdl import metrics, plots
@@ -163,7 +165,8 @@ def run_demo(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    lora_results = _lora_section(Path(data_dir), settings, seed, out) if data_dir else {}
+    root = _sst2_root(data_dir)
+    lora_results = _lora_section(root, settings, seed, out) if root is not None else {}
     results = _digits_section(settings, seed, out)
     summary = {
         "settings": settings.__dict__,
@@ -347,6 +350,61 @@ def _lora_section(data_dir: Path, settings: DemoSettings, seed: int, out: Path) 
         title=f"MiniLM + LoRA fine-tuned on {num_data} SST-2 sentences, {len(labels)} test",
     )
     return results
+
+
+#: Where GLUE's SST-2 comes from when no data directory holds it (Hugging Face datasets).
+_SST2 = ("nyu-mll/glue", "sst2")
+
+
+def _sst2_root(data_dir: str | Path | None) -> Path | None:
+    """A directory holding ``sst2/train.tsv`` and ``sst2/dev.tsv``, or None (said in one line).
+
+    ``data_dir`` if it holds SST-2; else the copy in the user's cache
+    (``$XDG_CACHE_HOME/pyro_bdl``, by default ``~/.cache/pyro_bdl``), fetched there once
+    through Hugging Face ``datasets`` (GLUE's SST-2, the format of
+    :func:`pyro_bdl.data.load`). Offline, or without ``datasets``, one line says what is
+    skipped and how to get the data.
+
+    :param data_dir: the ``--data-dir`` given, or None.
+    """
+    if data_dir is not None and _has_sst2(Path(data_dir)):
+        return Path(data_dir)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pyro_bdl"
+    if _has_sst2(cache):
+        return cache
+    where = f"{data_dir}/sst2 has no train.tsv and dev.tsv; " if data_dir is not None else ""
+    try:
+        from datasets import load_dataset
+
+        splits = load_dataset(*_SST2)
+    except Exception as error:  # no datasets, offline, the Hub unreachable: skip, say so
+        print(
+            f"skipped the LoRA fine-tuning on SST-2: {where}fetching it with Hugging Face "
+            f"datasets failed ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
+            "run once online with `pip install datasets`, or pass --data-dir DIR with "
+            "DIR/sst2/train.tsv and dev.tsv (GLUE's SST-2)"
+        )
+        return None
+    _write_sst2(splits, cache / "sst2")
+    return cache
+
+
+def _has_sst2(root: Path) -> bool:
+    return all((root / "sst2" / name).is_file() for name in ("train.tsv", "dev.tsv"))
+
+
+def _write_sst2(splits, directory: Path) -> None:
+    """GLUE's train and validation splits as ``train.tsv`` and ``dev.tsv``, written whole
+    or not at all (a temporary file renamed), so that an interrupted run fetches again."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for split, name in (("train", "train.tsv"), ("validation", "dev.tsv")):
+        rows = splits[split]
+        partial = directory / f"{name}.partial"
+        with partial.open("w", encoding="utf-8") as file:
+            file.write("sentence\tlabel\n")
+            for row in tqdm(rows, desc=f"SST-2 {name}", leave=False):
+                file.write(f"{row['sentence']}\t{row['label']}\n")
+        partial.replace(directory / name)
 
 
 def _predict(predictor, loader, num_data: int) -> torch.Tensor:

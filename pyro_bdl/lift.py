@@ -107,6 +107,8 @@ class LiftedModule:
     :ivar torch.nn.Module module: the wrapped module, unchanged.
     :ivar dict random_sites: site name -> parameter name, for the random weights.
     :ivar dict point_sites: site name -> parameter name, for the point weights.
+    :ivar str made_by: the call that made it, ``"lift"`` or ``"lora_model"``: errors about
+        which weights are random advise in that call's arguments.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class LiftedModule:
         self.point_sites = {prefix + name: name for name in point_names}
         self._prior_cache: dict[str, tuple[Any, dist.TorchDistribution]] = {}
         self._fixed_depth = 0
+        self.made_by = "lift"
         self.prior = prior
 
     @property

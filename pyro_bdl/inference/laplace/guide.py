@@ -238,6 +238,7 @@ class LaplaceGuide(AutoGuide):
             self._accumulate(model, batches, progress, gradient=True)
         if check and self._mode_distance() > mode_tolerance:
             self._warn_not_a_mode(map, mode_tolerance, num_steps, max_passes)
+        _warn_if_adapters_untrained(self._loc)
         return self
 
     def _prior_scales(self) -> dict[str, float]:
@@ -1007,6 +1008,28 @@ class LaplaceGuide(AutoGuide):
             "prior_precision": values.pop() if len(values) == 1 else precision,
             "log_marginal_likelihood": float(self.log_marginal_likelihood().detach()),
         }
+
+
+def _warn_if_adapters_untrained(values: Mapping[str, torch.Tensor]) -> None:
+    """Warn when every LoRA pair among the sites has the update ``B @ A = 0``: the adapters
+    of a fresh LoRA model (``B = 0``), or the ``A = B = 0`` mode that a MAP search from
+    there falls into. The approximation is then of the pretrained network, whose new head
+    predicts about the same for every input: a silent no-op."""
+    updates = [
+        values[name.replace("lora_A", "lora_B")] @ value
+        for name, value in values.items()
+        if "lora_A" in name and name.replace("lora_A", "lora_B") in values and value.dim() == 2
+    ]
+    # A fine-tuned adapter's update is 1e-4 to 1e-1 per entry; these are 0 or ~1e-14.
+    if updates and all(float(update.abs().max()) < 1e-8 for update in updates):
+        warnings.warn(
+            f"LaplaceGuide.fit: the LoRA adapters are still at their initialisation (B @ A = 0 "
+            f"in all {len(updates)} adapted layers), so this is the Laplace approximation of the "
+            "pretrained network, which predicts about the same for every input. Fine-tune "
+            "first (e.g. pyro_bdl.inference.baselines.map_estimate), then fit(..., map=False) "
+            "at the fine-tuned weights (or map=<their values>)",
+            stacklevel=3,
+        )
 
 
 def _checked_precision(value: PriorPrecision) -> PriorPrecision:

@@ -271,6 +271,12 @@ class SGMCMCKernel(MCMCKernel):
 
     def diagnostics(self) -> dict:
         # Pyro asks once, when the chain has finished: the time to judge its equilibrium.
+        if self._iteration <= self._warmup_steps:  # the earliest a kernel can tell
+            raise ValueError(
+                "num_samples=0: MCMC kept no draw after its warm-up, and pyro.infer.MCMC "
+                "cannot return zero draws; pass num_samples >= 1 (num_samples=1 keeps the "
+                "state the warm-up ends at)"
+            )
         self._check_chain()
         return {"sample_stats": {key: list(values) for key, values in self._stats.items()}}
 

@@ -157,10 +157,16 @@ class IVONSVI:
         self.guide._require_setup(*args, **kwargs)
         point = self.guide.point_sites
         if point:
+            made_by = getattr(getattr(self.model, "net", None), "made_by", "lift")
+            fix = (
+                "Build the model with lora_model(..., adapters_random='AB', head='random')"
+                if made_by == "lora_model"
+                else "Lift them as random weights"
+            )
             warnings.warn(
                 f"IVONSVI trains the model's random sites only; its point weights {point[:3]}"
-                f"{' ...' if len(point) > 3 else ''} (pyro.param) keep their values. Lift them "
-                "as random weights to train them with IVON",
+                f"{' ...' if len(point) > 3 else ''} (pyro.param) keep their values. {fix} "
+                "to train them with IVON",
                 stacklevel=3,
             )
         self.momentum = torch.zeros_like(self.guide.loc.unconstrained())
