@@ -35,7 +35,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from pyro_bdl._checks import instance, site_keys
 from pyro_bdl.priors import IIDNormal, Prior
 
-__all__ = ["lift", "LiftedModule", "init_to_module", "parameter_owner", "Selector"]
+__all__ = [
+    "lift",
+    "LiftedModule",
+    "init_to_module",
+    "parameter_owner",
+    "recording_calls",
+    "Selector",
+]
 
 Selector = None | str | Sequence[str] | Callable[[str, torch.Tensor], bool]
 
@@ -455,6 +462,28 @@ def _tied_names(module: torch.nn.Module) -> dict[str, str]:
         else:
             first[id(param)] = name
     return aliases
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[LiftedModule]]:
+    """The lifted networks called inside the context, in the order of their first call.
+
+    How a guide finds the networks of a model that is any callable (BLoB's flipout hooks,
+    the peft adapter ``bdl.save`` writes).
+    """
+    called: list[LiftedModule] = []
+    call = LiftedModule.__call__
+
+    def recording(net, *args, **kwargs):
+        if not any(net is seen for seen in called):
+            called.append(net)
+        return call(net, *args, **kwargs)
+
+    LiftedModule.__call__ = recording
+    try:
+        yield called
+    finally:
+        LiftedModule.__call__ = call
 
 
 def parameter_owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:

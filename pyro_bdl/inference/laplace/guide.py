@@ -12,7 +12,8 @@ It is an :class:`~pyro.infer.autoguide.AutoGuide`: calling it draws every site f
 :math:`q`, so ``Predictive(model, guide=guide, num_samples=S)`` gives the sampled-weights
 predictive and ``bdl.to_arviz(guide, num_samples=S)`` exports draws. The linearised
 predictive, the evidence, prior-precision tuning and the posterior-as-prior live here as
-methods.
+methods. ``bdl.save(guide, directory)`` keeps a fitted guide and ``bdl.load(directory,
+model)`` gives it back in another process (:mod:`pyro_bdl.persistence`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from pyro_bdl import distributed
 from pyro_bdl._checks import function, instance, integer, one_of, real, site_keys
 from pyro_bdl._draws import kept_draws
+from pyro_bdl.inference.guide_state import GuideState, dtype_name
 from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
 from pyro_bdl.inference.laplace.jacobians import DenseGradient, ModelJacobians
@@ -42,6 +44,11 @@ from pyro_bdl.inference.laplace.predictive import (
     probit,
 )
 from pyro_bdl.inference.laplace.prior import LaplacePrior
+from pyro_bdl.inference.laplace.state import (
+    curvature_from_settings,
+    laplace_state,
+    restore_laplace,
+)
 from pyro_bdl.inference.map import adam_at_prior_scale, minimise
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.lift import init_to_module
@@ -56,7 +63,7 @@ _FIRST_ROUND = 5
 PriorPrecision = float | Mapping[str, float | torch.Tensor] | None
 
 
-class LaplaceGuide(AutoGuide):
+class LaplaceGuide(GuideState, AutoGuide):
     r"""Laplace approximation :math:`\mathcal{N}(\theta_\text{MAP}, T P^{-1})` of a model's weights.
 
     :meth:`fit` finds the MAP (Adam on minibatches, then L-BFGS on full passes to a
@@ -135,6 +142,9 @@ class LaplaceGuide(AutoGuide):
         self.init_loc_fn = init_loc_fn
         self._prior_precision_arg = prior_precision
         self._blocks = None
+        #: the link :meth:`predictive` uses by default: ``"mc"``, or what :meth:`select_link`
+        #: chose (saved with the guide)
+        self.link = "mc"
 
     # -- fitting ---------------------------------------------------------------------
 
@@ -685,7 +695,7 @@ class LaplaceGuide(AutoGuide):
     def predictive(
         self,
         *args,
-        link: str = "mc",
+        link: str | None = None,
         num_samples: int = 100,
         return_samples: bool = False,
         generator: torch.Generator | None = None,
@@ -701,8 +711,8 @@ class LaplaceGuide(AutoGuide):
         ``"probit"`` and ``"bridge"`` ``C``. DataLoader arguments are concatenated over
         one pass.
 
-        :param str link: ``"mc"`` (joint logit samples, the default), ``"probit"`` or
-            ``"bridge"``.
+        :param str link: ``"mc"`` (joint logit samples), ``"probit"`` or ``"bridge"``;
+            None: :attr:`link` (``"mc"`` unless :meth:`select_link` chose another).
         :param int num_samples: logit draws for ``"mc"``.
         :param bool return_samples: return the per-draw class probabilities
             ``(S, B, C)`` (``"mc"`` only), as :func:`pyro_bdl.predict.predict_proba` does, for the
@@ -710,7 +720,7 @@ class LaplaceGuide(AutoGuide):
         :param generator: random generator for ``"mc"``.
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
-        one_of("link", link, LINKS)
+        link = one_of("link", self.link if link is None else link, LINKS)
         num_samples = integer("num_samples", num_samples, low=1)
         instance("return_samples", return_samples, bool, "True or False")
         if generator is not None:
@@ -896,12 +906,13 @@ class LaplaceGuide(AutoGuide):
         Each link (see :meth:`predictive`) maps the same Gaussian over the logits to class
         probabilities; which suits a model is an empirical question (Laplace-LoRA found
         ``"mc"`` best for LLMs, the bridge can win for a small, well-fitted network), so
-        answer it on held-out data, not on the test set.
+        answer it on held-out data, not on the test set. The best becomes :attr:`link`,
+        the default of :meth:`predictive` (and is saved with the guide).
 
         Example::
 
             link, scores = guide.select_link(val_loader, num_data)
-            probs = guide.predictive(test_batch, num_data, link=link)
+            probs = guide.predictive(test_batch, num_data)        # with that link
 
         :param val_args: the model's arguments on the validation data (labels observed).
         :param tuple links: the candidates, a subset of ``("mc", "probit", "bridge")``.
@@ -922,7 +933,8 @@ class LaplaceGuide(AutoGuide):
             val_args, val_kwargs, [self._prior_precision], links, num_samples, progress
         )[0]
         scores = {name: float(value) for name, value in zip(links, nll, strict=True)}
-        return links[int(nll.argmin())], scores
+        self.link = links[int(nll.argmin())]
+        return self.link, scores
 
     def _validation_nll(self, args, kwargs, candidates, links, num_samples, progress):
         """Mean NLL ``(len(candidates), len(links))`` of the linearised predictive.
@@ -991,6 +1003,32 @@ class LaplaceGuide(AutoGuide):
             result.update({key: value.detach().clone() for key, value in block.tensors().items()})
         return result
 
+    # -- saving (see pyro_bdl.inference.guide_state and bdl.save) -----------------------
+
+    _needs_setup = False  # a fitted state restores without the model's prototype
+
+    def _init_settings(self) -> dict:
+        return {"curvature": self.curvature.hyperparameters(), "temperature": self.temperature}
+
+    @classmethod
+    def _from_settings(cls, model, settings: dict) -> LaplaceGuide:
+        curvature = curvature_from_settings(settings["curvature"])
+        return cls(model, curvature, temperature=settings["temperature"])
+
+    def _state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return laplace_state(self)
+
+    def _restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        restore_laplace(self, state, tensors)
+
+    def _site_shapes(self) -> dict[str, dict] | None:
+        if self._blocks is None:
+            return None  # unfitted: nothing to save, nothing to check a state against
+        return {
+            name: {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+            for name, value in self._loc.items()
+        }
+
     def hyperparameters(self) -> dict:
         """The guide's settings and evidence, JSON-serialisable."""
         self._check_fitted()
@@ -1003,6 +1041,7 @@ class LaplaceGuide(AutoGuide):
             "method": "LaplaceGuide",
             **self.curvature.hyperparameters(),
             "temperature": self.temperature,
+            "link": self.link,
             "num_data": self.num_data,
             "num_params": sum(value.numel() for value in self._loc.values()),
             "prior_precision": values.pop() if len(values) == 1 else precision,

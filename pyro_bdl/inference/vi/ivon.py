@@ -32,7 +32,6 @@ from collections.abc import Callable
 import pyro
 import torch
 from pyro.distributions import constraints
-from pyro.infer.autoguide.guides import prototype_hide_fn
 from pyro.nn.module import PyroParam
 
 from pyro_bdl import _checks
@@ -142,7 +141,7 @@ class IVONGuide(MeanFieldGuide):
             self.point_sites.append(msg["name"])
         elif msg["type"] == "sample" and msg["is_observed"]:
             self._observations.add_node(msg["name"], **msg)
-        return prototype_hide_fn(msg)
+        return super()._prototype_hide_fn(msg)
 
     def _init_parameters(self, init_locs: dict[str, torch.Tensor]) -> None:
         kinds = {(value.dtype, value.device) for value in init_locs.values()}
@@ -231,6 +230,28 @@ class IVONGuide(MeanFieldGuide):
         for name, hess in self._unflatten(self.hess).items():
             parameters[f"{name}.hess"] = hess.detach().clone()
         return parameters
+
+    def _init_settings(self) -> dict:
+        return {
+            "ess": self._ess_arg,
+            "temperature": self._temperature_arg,
+            "hess_init": self.hess_init,
+            "num_data": self._num_data_arg,
+        }
+
+    def _state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        # read from the model at set-up and kept (see the class docstring)
+        state = {"ess": self.ess, "temperature": self.temperature, "num_data": self.num_data}
+        tensors = {"weight_decay": self._delta}
+        if self._prior_shift is not None:
+            tensors["prior_shift"] = self._prior_shift
+        return state, tensors
+
+    def _restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.ess, self.temperature = state["ess"], state["temperature"]
+        self.num_data = state["num_data"]
+        self._delta = tensors["weight_decay"]
+        self._prior_shift = tensors.get("prior_shift")
 
     def hyperparameters(self) -> dict:
         """The guide's settings, JSON-serialisable (for ``bdl.to_arviz``)."""

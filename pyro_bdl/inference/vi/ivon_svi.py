@@ -172,6 +172,40 @@ class IVONSVI:
         self.momentum = torch.zeros_like(self.guide.loc.unconstrained())
         distributed.broadcast_([self.guide.loc.unconstrained(), self.guide.hess.unconstrained()])
 
+    def state_dict(self) -> dict:
+        """The training state (momentum :math:`g`, step count and the weight of ``hess_init``
+        in :math:`h`) to resume step for step.
+
+        The guide holds :math:`m` and :math:`h` (its own ``state_dict``); ``bdl.save(svi,
+        directory)`` writes both.
+        """
+        momentum = None if self.momentum is None else self.momentum.detach().clone()
+        return {
+            "step_count": self.step_count,
+            "momentum": momentum,
+            "hess_init_weight": self.hess_init_weight,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict` (the momentum on the guide's device)."""
+        momentum = state["momentum"]
+        if momentum is not None and self.guide.prototype_trace is not None:
+            momentum = momentum.to(self.guide.loc.unconstrained())
+        self.momentum, self.step_count = momentum, int(state["step_count"])
+        # a state saved before the weight was kept: beta2^t, exact for a constant beta2
+        self.hess_init_weight = float(state.get("hess_init_weight", self.beta2**self.step_count))
+
+    def _init_settings(self) -> dict:
+        # the constructor's arguments, for bdl.save
+        return {
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "mc_samples": self.mc_samples,
+            "clip_radius": self.clip_radius,
+            "schedule": self.schedule,
+        }
+
     def _loss(self, theta: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """:math:`\\bar\\ell(\\theta)`: minus the likelihood (scaled to N) over N."""
         with LogJoint(self.guide._unflatten(theta), likelihood_only=True) as likelihood:

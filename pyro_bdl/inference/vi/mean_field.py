@@ -27,6 +27,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.nn.module import PyroModule, PyroParam
 
 from pyro_bdl._checks import function, instance, one_of, real
+from pyro_bdl.inference.guide_state import GuideState
 from pyro_bdl.inference.vi.normal import VariationalNormal, check_temperature, tempered_kl
 from pyro_bdl.lift import init_to_module
 
@@ -84,7 +85,7 @@ class _DrawnNormal(VariationalNormal):
         return plain.expand(batch_shape, _instance)
 
 
-class MeanFieldGuide(AutoGuide):
+class MeanFieldGuide(GuideState, AutoGuide):
     r"""A diagonal Gaussian at every latent site, sampled at the site itself.
 
     .. math::
@@ -356,6 +357,10 @@ class MeanFieldGuide(AutoGuide):
             "temperature": self.temperature,
             "stick_the_landing": self.stick_the_landing,
         }
+
+    def _init_settings(self) -> dict:
+        # the constructor's arguments, for bdl.save and load_state_dict (GuideState)
+        return self.hyperparameters()
 
     def _locs_and_scales(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         if self._groups is None:

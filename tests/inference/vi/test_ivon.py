@@ -176,6 +176,22 @@ def test_fit_ivon_warns_when_h_still_holds_hess_init():
         assert name in message
 
 
+def test_the_weight_of_hess_init_in_h_is_beta2_to_the_t_and_resumes():
+    model, guide = _model_and_guide()
+    x, y = _classes()
+    svi = IVONSVI(model, guide, beta2=0.9)
+    for _ in range(3):
+        svi.step(x, y, NUM_DATA)
+    assert svi.hess_init_weight == pytest.approx(0.9**3)
+    state = svi.state_dict()
+    resumed = IVONSVI(model, guide, beta2=0.9)
+    resumed.load_state_dict(state)
+    assert resumed.hess_init_weight == pytest.approx(0.9**3)
+    del state["hess_init_weight"]  # a state saved before it was kept
+    resumed.load_state_dict(state)
+    assert resumed.hess_init_weight == pytest.approx(0.9**3)
+
+
 def test_temperature_is_ess_n_over_t_and_the_initial_scale_follows():
     x, y = _regression()
     model = _replicated_regression(replicas=2)
