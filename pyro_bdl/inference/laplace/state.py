@@ -10,7 +10,11 @@ Kronecker product, and a factor that several layers share (LoRA's query and valu
 read one input) is saved once and shared again when loaded.
 
 A prior's mean and precision broadcast over the site (an IID prior is one number
-expanded); they are saved unexpanded.
+expanded); they are saved unexpanded. A site whose prior is not a Normal has no prior
+mean: its prior precision is the prior's own curvature at the MAP. An exact-Hessian fit
+(a model without the GGN's structure) keeps the Hessian, no prior precision, and why;
+its sites' transforms come from the model's trace, so it loads into a guide that has
+run its model (``bdl.load`` runs it).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from pyro_bdl.inference.laplace.curvature import (
     KronLowRank,
 )
 from pyro_bdl.inference.laplace.curvature.factors import Eigen
+from pyro_bdl.inference.laplace.hessian import HessianBlock
 from pyro_bdl.inference.laplace.jacobians import ModelJacobians
+from pyro_bdl.inference.sites import LatentSites
 
 __all__ = ["laplace_state", "restore_laplace", "curvature_from_settings"]
 
@@ -40,9 +46,11 @@ def laplace_state(guide) -> tuple[dict, dict[str, torch.Tensor]]:
     tensors = {"log_likelihood": torch.as_tensor(guide._log_likelihood).detach()}
     for name, loc in guide._loc.items():
         tensors[f"loc/{name}"] = loc
-        tensors[f"prior_precision/{name}"] = guide._prior_precision[name]
-        tensors[f"model_precision/{name}"] = _unexpanded(guide._model_precision[name])
-        tensors[f"prior_loc/{name}"] = _unexpanded(guide._prior_loc[name])
+        if name in guide._prior_precision:
+            tensors[f"prior_precision/{name}"] = guide._prior_precision[name]
+        if name in guide._model_precision:
+            tensors[f"model_precision/{name}"] = _unexpanded(guide._model_precision[name])
+            tensors[f"prior_loc/{name}"] = _unexpanded(guide._prior_loc[name])
         if guide._gradient is not None:
             tensors[f"gradient/{name}"] = guide._gradient[name]
     factors: dict[int, int] = {}
@@ -54,6 +62,8 @@ def laplace_state(guide) -> tuple[dict, dict[str, torch.Tensor]]:
         "sites": list(guide._loc),
         "gradient": guide._gradient is not None,
         "blocks": blocks,
+        "exact_hessian_reason": guide.exact_hessian_reason,
+        "all_real": guide.sites.all_real,
     }
     return state, tensors
 
@@ -63,13 +73,28 @@ def restore_laplace(guide, state: dict, tensors: dict[str, torch.Tensor]) -> Non
     if not state.get("fitted"):
         return
     loc = {name: tensors[f"loc/{name}"] for name in state["sites"]}
+    reason = state.get("exact_hessian_reason")
+    if guide.prototype_trace is None:  # a bare torch load: the sites from the state
+        if reason is not None or not state.get("all_real", True):
+            raise RuntimeError(
+                "LaplaceGuide.load_state_dict: this fit's sites have constrained supports "
+                "or it is an exact-Hessian fit, whose transforms come from the model: call "
+                "the guide once with the model's arguments before loading, or use bdl.load"
+            )
+        guide.sites = LatentSites.real(loc, "LaplaceGuide")
+    guide.exact_hessian_reason = reason
     guide._loc = loc
-    guide._prior_precision = {name: tensors[f"prior_precision/{name}"] for name in loc}
+    guide._prior_precision = {
+        name: tensors[f"prior_precision/{name}"]
+        for name in loc
+        if f"prior_precision/{name}" in tensors
+    }
+    normal = [name for name in loc if f"model_precision/{name}" in tensors]
     guide._model_precision = {
-        name: tensors[f"model_precision/{name}"].expand(value.shape) for name, value in loc.items()
+        name: tensors[f"model_precision/{name}"].expand(loc[name].shape) for name in normal
     }
     guide._prior_loc = {
-        name: tensors[f"prior_loc/{name}"].expand(value.shape) for name, value in loc.items()
+        name: tensors[f"prior_loc/{name}"].expand(loc[name].shape) for name in normal
     }
     guide._gradient = (
         {name: tensors[f"gradient/{name}"] for name in loc} if state["gradient"] else None
@@ -80,9 +105,7 @@ def restore_laplace(guide, state: dict, tensors: dict[str, torch.Tensor]) -> Non
     guide._blocks = [
         _make_block(i, entry, tensors, factors) for i, entry in enumerate(state["blocks"])
     ]
-    guide._jacobians = ModelJacobians(guide._laplace_model[0], loc)
-    if guide.prototype_trace is None:  # the prior precision's setter reads shapes from these
-        guide._sites = {name: {"value": value} for name, value in loc.items()}
+    guide._jacobians = None if reason else ModelJacobians(guide._laplace_model[0], loc)
 
 
 def _block_state(index: int, block, tensors: dict, factors: dict[int, int]) -> dict:
@@ -90,6 +113,9 @@ def _block_state(index: int, block, tensors: dict, factors: dict[int, int]) -> d
     if isinstance(block, DiagonalBlock):
         tensors[f"block/{index}/diagonal"] = block.curvature
         return {"type": "diagonal", "site": block.site}
+    if isinstance(block, HessianBlock):
+        tensors[f"block/{index}/hessian"] = block.hessian
+        return {"type": "hessian", "shapes": [[site, list(s)] for site, s in block.shapes.items()]}
     if isinstance(block, FullBlock):
         tensors[f"block/{index}/matrix"] = block.curvature
         return {"type": "full", "shapes": [[site, list(s)] for site, s in block.shapes.items()]}
@@ -118,8 +144,10 @@ def _make_block(index: int, entry: dict, tensors: dict, factors: dict[int, Eigen
     """The block :func:`_block_state` described (shared factors shared again)."""
     if entry["type"] == "diagonal":
         return DiagonalBlock(entry["site"], tensors[f"block/{index}/diagonal"])
-    if entry["type"] == "full":
+    if entry["type"] in ("full", "hessian"):
         shapes = {site: torch.Size(shape) for site, shape in entry["shapes"]}
+        if entry["type"] == "hessian":
+            return HessianBlock(shapes, tensors[f"block/{index}/hessian"])
         return FullBlock(shapes, tensors[f"block/{index}/matrix"])
     eigens = []
     for number in (entry["input"], entry["output"]):

@@ -126,15 +126,24 @@ class BLoBGuide(MeanFieldGuide):
     def _setup_prototype(self, *args, **kwargs) -> None:
         if self._nets:
             super()._setup_prototype(*args, **kwargs)
-            return
-        with recording_calls() as called:
-            super()._setup_prototype(*args, **kwargs)
-        if not called:
-            raise TypeError(
-                "BLoBGuide: the model called no network made by bdl.lift; lift the peft model "
-                "(bdl.lift(peft_model, random='lora_A', point='lora_B')) or pass net=<it>"
+        else:
+            with recording_calls() as called:
+                super()._setup_prototype(*args, **kwargs)
+            if not called:
+                raise TypeError(
+                    "BLoBGuide: the model called no network made by bdl.lift; lift the peft "
+                    "model (bdl.lift(peft_model, random='lora_A', point='lora_B')) or pass "
+                    "net=<it>"
+                )
+            self._use(*called)
+        adapters = {site for net in self._nets for site in net.random_sites}
+        others = [name for name in self.sites if name not in adapters]
+        if others:
+            raise ValueError(
+                f"BLoBGuide: the model's latent site {others[0]!r} is not a LoRA A matrix of "
+                "the lifted network; BLoB puts its posterior on LoRA A only (section 3.1): "
+                "make it a point weight (pyro.param), or use MeanFieldGuide for the whole model"
             )
-        self._use(*called)
 
     @property
     def flipout(self) -> bool:

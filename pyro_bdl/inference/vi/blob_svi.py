@@ -163,7 +163,7 @@ class BLoBSVI:
         :return: the step's mean NLL and KL (0-d tensors on the model's device: reading
             them, e.g. with ``float()``, waits for the device) and its KL weight.
         """
-        self.guide._require_setup(*args, **kwargs)
+        self.guide._ensure_setup(*args, **kwargs)
         draws, _, _ = self.guide.draw()
         # The first step validates the model's distributions (labels in their support,
         # ...); later steps skip the checks, each a device sync.

@@ -22,6 +22,13 @@ objective's target when
 so that :math:`\lambda (h + \delta) = (N h + \sigma_p^{-2}) / T` is the tempered posterior
 precision: the likelihood's curvature plus the prior's, divided by :math:`T`. Training is
 :class:`~pyro_bdl.inference.IVONSVI` / :func:`~pyro_bdl.inference.fit_ivon`.
+
+A site whose prior is not such a Normal (another distribution, a Normal whose
+parameters are other latent sites, a masked one) or whose support is constrained (the
+Gaussian is then on the unconstrained value :math:`z`, :math:`x = T(z)`, see
+:mod:`pyro_bdl.inference.sites`) has :math:`\delta = 0`: its log prior and the
+log-Jacobian :math:`\log|\partial x / \partial z|` join the likelihood in
+:math:`\bar\ell`, and :math:`h` estimates their curvature with the likelihood's.
 """
 
 from __future__ import annotations
@@ -38,7 +45,6 @@ from pyro_bdl import _checks
 from pyro_bdl.inference.log_joint import observed_num_data
 from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
 from pyro_bdl.lift import init_to_module
-from pyro_bdl.priors import normal_parameters
 
 __all__ = ["IVONGuide"]
 
@@ -47,11 +53,15 @@ class IVONGuide(MeanFieldGuide):
     r"""The IVON posterior :math:`\mathcal{N}(m, 1 / (\lambda (h + \delta)))` of every weight.
 
     An :class:`~pyro.infer.autoguide.AutoGuide` over the latent sites of ``model``: weights
-    lifted by :func:`~pyro_bdl.lift` or plain ``pyro.sample`` sites, each with a Normal
-    prior :math:`\mathcal{N}(\mu, \sigma_p^2)` (any of :mod:`pyro_bdl.priors`, or
-    ``dist.Normal``). Every site is sampled at the site itself, so ``Predictive(model,
-    guide=guide)``, :func:`~pyro_bdl.to_arviz` and :func:`~pyro_bdl.predict.predict_proba`
-    work as for :class:`~pyro_bdl.inference.MeanFieldGuide`; ``median()`` is :math:`m`.
+    lifted by :func:`~pyro_bdl.lift` or plain ``pyro.sample`` sites of any shape, in plates
+    of constant size. A Normal prior :math:`\mathcal{N}(\mu, \sigma_p^2)` (any of
+    :mod:`pyro_bdl.priors`, or ``dist.Normal``) with fixed parameters is IVON's weight
+    decay; any other prior, and any support, goes through :math:`\bar\ell` (see the
+    module docstring). Sites are sampled as :class:`~pyro_bdl.inference.MeanFieldGuide`
+    samples them, so ``Predictive(model, guide=guide)``, :func:`~pyro_bdl.to_arviz` and
+    :func:`~pyro_bdl.predict.predict_proba` work as for it; ``median()`` is :math:`T(m)`.
+    A site local to a subsampled plate (one value per example) is refused: IVON's update
+    is global.
 
     The means :math:`m` start where ``init_loc_fn`` puts them (the module's weights for
     lifted sites) and :math:`h` at ``hess_init``. The effective sample size is ``ess``
@@ -127,6 +137,8 @@ class IVONGuide(MeanFieldGuide):
         self._observations, self.point_sites = pyro.poutine.Trace(), []
         try:
             super()._setup_prototype(*args, **kwargs)
+            self.sites.refuse_local("IVON's update is global")
+            self._fixed_priors = self.sites.fixed_priors(self.model, args, kwargs)
             self._read_model(observed_num_data(self._observations))
         except Exception:
             self.prototype_trace = None  # the next call sets up again, not half-way
@@ -182,10 +194,17 @@ class IVONGuide(MeanFieldGuide):
             self.temperature = self._temperature_arg or 1.0
             self.ess = num_data / self.temperature
         decays, shifts = [], []
+        self.closed_form_priors = set()
         for name, shape in self._shapes.items():
-            decay, mean = _weight_decay(name, self.prototype_trace.nodes[name], num_data)
+            prior = self.sites.normal_prior(name, self._fixed_priors)
+            if prior is None:  # in the loss: decay 0
+                decays.append(self.loc.new_zeros(shape.numel()))
+                shifts.append(self.loc.new_zeros(shape.numel()))
+                continue
+            self.closed_form_priors.add(name)
+            decay = self.sites[name].message["scale"] / (num_data * prior[1].square())
             decays.append(decay.expand(shape).reshape(-1))
-            shifts.append((decay * mean).expand(shape).reshape(-1))
+            shifts.append((decay * prior[0]).expand(shape).reshape(-1))
         # One number when every weight has the same decay (an IID prior), else a vector.
         decay = torch.cat(decays)
         self._delta = decay[0].clone() if bool((decay == decay[0]).all()) else decay
@@ -212,7 +231,8 @@ class IVONGuide(MeanFieldGuide):
 
     @property
     def weight_decay(self) -> dict[str, torch.Tensor]:
-        r"""Each site's :math:`\delta = s / (N \sigma_p^2)` (a 0-d tensor for an IID prior)."""
+        r"""Each site's :math:`\delta = s / (N \sigma_p^2)` (a 0-d tensor for an IID prior;
+        0 for a site whose prior is not a fixed Normal, see the module docstring)."""
         self._require_setup()
         return {name: self._site(self._delta, name) for name in self._shapes}
 
@@ -268,17 +288,3 @@ class IVONGuide(MeanFieldGuide):
             "hess_init": self.hess_init,
             "num_data": self.num_data,
         }
-
-
-def _weight_decay(name: str, site: dict, num_data: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight decay :math:`s / (N \\sigma_p^2)` and the mean of one site's Normal prior,
-    both shaped like the site."""
-    parameters = normal_parameters(site["fn"], site["value"])
-    if parameters is None:
-        raise ValueError(
-            f"IVONGuide: site {name!r} has the prior {type(site['fn']).__name__}; IVON's weight "
-            "decay is the precision of a Normal prior: give the site a Normal prior "
-            "(bdl.priors.IIDNormal, LayerwiseNormal, or dist.Normal)"
-        )
-    loc, scale = parameters
-    return site["scale"] / (num_data * scale.square()), loc

@@ -154,7 +154,7 @@ class IVONSVI:
         return loss
 
     def _setup(self, args: tuple, kwargs: dict) -> None:
-        self.guide._require_setup(*args, **kwargs)
+        self.guide._ensure_setup(*args, **kwargs)
         point = self.guide.point_sites
         if point:
             made_by = getattr(getattr(self.model, "net", None), "made_by", "lift")
@@ -207,15 +207,19 @@ class IVONSVI:
         }
 
     def _loss(self, theta: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        """:math:`\\bar\\ell(\\theta)`: minus the likelihood (scaled to N) over N."""
-        with LogJoint(self.guide._unflatten(theta), likelihood_only=True) as likelihood:
+        """:math:`\\bar\\ell(\\theta)`: minus the likelihood (scaled to N) over N, with the
+        log priors that are not IVON's weight decay and the log-Jacobian of constrained
+        sites (see :class:`~pyro_bdl.inference.IVONGuide`)."""
+        guide = self.guide
+        values, log_jacobian = guide.sites.constrain(guide._unflatten(theta))
+        with LogJoint(values, likelihood_only=guide.closed_form_priors) as likelihood:
             self.model(*args, **kwargs)
-        if not torch.is_tensor(likelihood.value):
+        if not likelihood.observed:
             raise ValueError(
                 "IVONSVI: the model observes nothing; IVON trains on a likelihood "
                 "(bdl.observe(name, distribution, obs=labels, num_data=N))"
             )
-        return -likelihood.value / self.guide.num_data
+        return -(likelihood.value + log_jacobian) / guide.num_data
 
     def _update(
         self,
