@@ -52,6 +52,7 @@ from pyro_bdl import _checks, persistence
 from pyro_bdl.inference.laplace import LaplaceGuide
 from pyro_bdl.inference.laplace.curvature import make_curvature
 from pyro_bdl.inference.vi import IVONSVI, BLoBGuide, BLoBSVI, IVONGuide
+from pyro_bdl.inference.vi.ivon_svi import BETA2_MAX, _default_beta2, _warn_if_hess_init_remains
 from pyro_bdl.models.heads import IGNORE_INDEX, NextToken
 from pyro_bdl.models.lora import LoRAModel
 from pyro_bdl.predict import predict_proba
@@ -393,7 +394,11 @@ class IVONTrainer(_VariationalTrainer):
     :param float temperature: :math:`T`, giving :math:`\lambda = N / T` (pass one of the two).
     :param float hess_init: where :math:`h` starts.
     :param float beta1: the momentum's decay.
-    :param float beta2: the Hessian estimate's decay.
+    :param float beta2: the Hessian estimate's decay (default:
+        :func:`~pyro_bdl.inference.fit_ivon`'s :math:`1 - 5 / T` over the run's :math:`T`
+        optimiser steps, within [0.9, 0.99999],
+        so that :math:`h` forgets ``hess_init``; a run whose :math:`h` still holds more than
+        10% of it warns at the end of ``train``).
     :param int mc_samples: weight draws per step.
     :param float clip_radius: the clip of each coordinate of the preconditioned update.
     :param int num_samples: weight draws of the Bayesian model average at evaluation (0:
@@ -413,7 +418,7 @@ class IVONTrainer(_VariationalTrainer):
         temperature: float | None = None,
         hess_init: float = 1.0,
         beta1: float = 0.9,
-        beta2: float = 0.99999,
+        beta2: float | None = None,
         mc_samples: int = 1,
         clip_radius: float = math.inf,
         num_samples: int = 10,
@@ -421,9 +426,10 @@ class IVONTrainer(_VariationalTrainer):
         **trainer_kwargs,
     ):
         self._guide_settings = {"ess": ess, "temperature": temperature, "hess_init": hess_init}
+        self._beta2 = beta2  # None: chosen from the run's length in create_scheduler
         self._settings = {
             "beta1": beta1,
-            "beta2": beta2,
+            "beta2": BETA2_MAX if beta2 is None else beta2,
             "mc_samples": mc_samples,
             "clip_radius": clip_radius,
         }
@@ -439,6 +445,19 @@ class IVONTrainer(_VariationalTrainer):
 
     def _make_guide(self) -> IVONGuide:
         return IVONGuide(self.lora.model, **self._guide_settings)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's scheduler; the run's length also sets the default ``beta2``."""
+        if self._beta2 is None:
+            self.svi.beta2 = _default_beta2(num_training_steps)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def train(self, *args, **kwargs):
+        """The Trainer's ``train``; warns at the end when :math:`h` still holds ``hess_init``."""
+        output = super().train(*args, **kwargs)
+        if self.svi is not None and self.svi.step_count > 0:
+            _warn_if_hess_init_remains(self.svi, self.state.global_step, type(self).__name__)
+        return output
 
     def _make_svi(self, backward: Callable) -> IVONSVI:
         args = self.args

@@ -91,22 +91,27 @@ def test_blob_trainer_steps_are_fit_blobs(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_ivon_trainer_steps_are_fit_ivons(kind, tmp_path):
-    arguments = {"lr_scheduler_type": "constant", "max_grad_norm": 0.5}
-    trained, state = _trained(IVONTrainer, kind, tmp_path, IVON, **arguments)
+    # Both at their defaults: the Trainer's cosine schedule without warm-up is fit_ivon's,
+    # and both choose beta2 from the run's length.
+    arguments = {"lr_scheduler_type": "cosine", "max_grad_norm": 0.5}
+    defaults = {"hess_init": IVON["hess_init"]}
+    # four steps cannot forget hess_init: both say so
+    with pytest.warns(UserWarning, match="IVONTrainer: after num_steps=4 steps at beta2=0.9,"):
+        trained, state = _trained(IVONTrainer, kind, tmp_path, defaults, **arguments)
     lora = LoRAModel.from_peft(cases.MODELS[kind]())
     guide = IVONGuide(lora.model, hess_init=IVON["hess_init"])
     torch.set_rng_state(state)
-    fit_ivon(
-        lora.model,
-        guide,
-        _loader(kind),
-        len(cases.Examples(kind)),
-        num_steps=STEPS,
-        lr=1e-2,
-        beta2=IVON["beta2"],
-        max_grad_norm=0.5,
-        progress=False,
-    )
+    with pytest.warns(UserWarning, match="fit_ivon: after num_steps=4"):
+        fit_ivon(
+            lora.model,
+            guide,
+            _loader(kind),
+            len(cases.Examples(kind)),
+            num_steps=STEPS,
+            lr=1e-2,
+            max_grad_norm=0.5,
+            progress=False,
+        )
     cases.assert_same(cases.posterior(guide), trained, **TOLERANCE)
 
 
