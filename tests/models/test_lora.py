@@ -5,7 +5,7 @@ from peft import PeftModel
 from pyro.infer import MCMC
 from transformers import AutoModelForSequenceClassification
 
-from pyro_bdl.inference import SGHMC, fit_map
+from pyro_bdl.inference import SGHMC, BLoBGuide, fit_map
 from pyro_bdl.inference.log_joint import LogJoint
 from pyro_bdl.models import lora_model
 
@@ -282,3 +282,72 @@ def test_a_peft_model_is_not_a_base(tiny_llama):
     lora = lora_model(tiny_llama(), "causal_lm")
     with pytest.raises(TypeError, match="already a peft model"):
         lora_model(lora.peft_model, "causal_lm")
+
+
+def test_from_peft_lifts_a_peft_model_as_lora_model_would(tiny_llama, token_batch):
+    # lora_model's adapters on a model of the same seed, and the same adapters made with
+    # peft by hand: from_peft gives the same sites, priors and log joint.
+    from peft import LoraConfig, get_peft_model
+
+    from pyro_bdl.models import LoRAModel
+
+    made = lora_model(tiny_llama(), "causal_lm", dropout=0.0, target_modules=["q_proj"])
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj"])
+    peft_model = get_peft_model(tiny_llama(), config)
+    with torch.no_grad():  # peft draws A at random: copy the other model's adapters
+        for (_, ours), (_, theirs) in zip(
+            peft_model.named_parameters(), made.peft_model.named_parameters()
+        ):
+            ours.copy_(theirs)
+    lifted = LoRAModel.from_peft(peft_model)
+    assert lifted.task == "causal_lm" and lifted.peft_model is peft_model
+    assert list(lifted.net.random_sites) == list(made.net.random_sites)
+    values = made.net.init_values()
+    joints = []
+    for lora in (made, lifted):
+        with LogJoint(values) as log_joint:
+            lora.model(token_batch, 100)
+        joints.append(log_joint.value)
+    torch.testing.assert_close(joints[0], joints[1])
+    blob = LoRAModel.from_peft(peft_model, adapters_random="A")
+    assert all("lora_A" in site for site in blob.net.random_sites)
+    assert all("lora_B" in site for site in blob.net.point_sites)
+
+
+def test_from_peft_refuses_what_has_no_lora_layers(tiny_llama):
+    from peft import IA3Config, get_peft_model
+
+    from pyro_bdl.models import LoRAModel
+
+    with pytest.raises(TypeError, match="get_peft_model"):
+        LoRAModel.from_peft(tiny_llama())
+    ia3 = get_peft_model(tiny_llama(), IA3Config(target_modules=["k_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="no trainable LoRA layers"):
+        LoRAModel.from_peft(ia3)
+    with pytest.raises(ValueError, match="task"):
+        LoRAModel.from_peft(lora_model(tiny_llama(), "causal_lm").peft_model, task="regression")
+
+
+def test_a_new_head_loads_without_a_report_or_a_deprecation_warning(minilm, capfd, recwarn):
+    """transformers' load report lists the new head's missing weights, which are expected,
+    and peft reads a deprecated transformers alias: neither reaches the user."""
+    lora_model(minilm, "classification", num_labels=2)
+    captured = capfd.readouterr()
+    assert "LOAD REPORT" not in captured.err + captured.out
+    assert "Loading weights" not in captured.err
+    assert not [w for w in recwarn if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_blob_on_a_lora_model_advises_in_lora_models_arguments(minilm):
+    """BLoB needs the head a point weight: lora_model's users are told head='point', not
+    the lift() selectors they never wrote."""
+    lora = lora_model(minilm, "classification", num_labels=2, adapters_random="A")
+    batch = _classification_batch(lora.tokenizer)
+    with pytest.raises(
+        ValueError, match=r"lora_model\(\.\.\., adapters_random='A', head='point'\)"
+    ):
+        BLoBGuide(lora.model)(batch, 100)
+    point_head = lora_model(
+        minilm, "classification", num_labels=2, adapters_random="A", head="point"
+    )
+    BLoBGuide(point_head.model)(batch, 100)  # BLoB's layout: no error
