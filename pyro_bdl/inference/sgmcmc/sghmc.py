@@ -85,7 +85,7 @@ class SGHMC(SGMCMCKernel):
     def __init__(
         self,
         model,
-        step_size: float,
+        step_size: float | None = None,
         friction: float = 1.0,
         mass: float = 1.0,
         temperature: float = 1.0,
@@ -94,13 +94,21 @@ class SGHMC(SGMCMCKernel):
         super().__init__(model, step_size, temperature, **kwargs)
         self.friction = real("friction", friction, non_negative=True)
         self.mass = real("mass", mass, positive=True)
+        if self.step_size is not None and self.step_size * self.friction / self.mass >= 2:
+            decay = 1 - self.step_size * self.friction / self.mass
+            raise ValueError(
+                f"step_size * friction / mass must be below 2, got {self.step_size:g} * "
+                f"{self.friction:g} / {self.mass:g} = {self.step_size * self.friction / self.mass:g}: "
+                f"each step multiplies the momentum by 1 - step_size * friction / mass = "
+                f"{decay:g}, so it grows without bound; lower step_size or friction, or raise "
+                "mass (below 1 the momentum keeps its sign, as SGD's momentum)"
+            )
 
     def hyperparameters(self) -> dict:
         return {**super().hyperparameters(), "friction": self.friction, "mass": self.mass}
 
     def _init_state(self, theta: list[torch.Tensor]) -> None:
         self.momenta = [torch.zeros_like(t) for t in theta]
-        self.dimension = sum(t.numel() for t in theta)
 
     def _state(self) -> dict[str, object]:
         return {"momenta": self.momenta}
@@ -114,22 +122,63 @@ class SGHMC(SGMCMCKernel):
         """:math:`m^\\top m / \\sigma^2` on the device (twice the kinetic energy)."""
         return torch.stack(torch._foreach_norm(self.momenta)).square().sum() / self.mass
 
+    def _decay(self, step_size: float) -> float | torch.Tensor:
+        """The momenta's factor per step, ``1 - step_size * friction / mass``."""
+        return 1 - step_size * self.friction / self.mass
+
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
-        m = self.momenta
-        torch._foreach_mul_(m, 1 - step_size * self.friction / self.mass)
-        torch._foreach_add_(m, grads, alpha=step_size / self.num_data)
+        m, num_data = self.momenta, self.num_data
+        torch._foreach_mul_(m, self._decay(step_size))
+        if self._scale is None:
+            torch._foreach_add_(m, grads, alpha=step_size / num_data)
+        else:
+            # With an adapted diagonal mass sigma^2 D the momenta are whitened by D^{1/2}:
+            # the noise and the friction stay scalars, the kinetic energy m^T m / sigma^2.
+            torch._foreach_addcmul_(m, grads, self._scale, value=step_size / num_data)
         if self.temperature > 0:
-            noise_scale = math.sqrt(
-                2 * step_size * self.temperature * self.friction / self.num_data
-            )
+            noise_scale = math.sqrt(2 * step_size * self.temperature * self.friction / num_data)
             torch._foreach_add_(m, self.standard_normal(), alpha=noise_scale)
-        torch._foreach_add_(theta, m, alpha=step_size / self.mass)
+        if self._scale is None:
+            torch._foreach_add_(theta, m, alpha=step_size / self.mass)
+        else:
+            torch._foreach_addcmul_(theta, m, self._scale, value=step_size / self.mass)
+
+    # -- warm-up adaptation ----------------------------------------------------------
+
+    #: Time runs as the square root of mass over curvature.
+    _step_exponent = 0.5
+
+    def _max_adapted_step_size(self) -> float:
+        # step_size * friction / mass <= 1: the momentum keeps its sign, as SGD's does.
+        return self.mass / self.friction if self.friction > 0 else math.inf
+
+    def _free_kinetic_temperature(self, step_size: float) -> float:
+        """The kinetic temperature of these discretised momenta for a free particle."""
+        return self.temperature / (1 - step_size * self.friction / (2 * self.mass))
+
+    def _adaptation_statistic(self, step_size: float) -> torch.Tensor:
+        kinetic = self.kinetic_energy() * (self.num_data / self.dimension)
+        return kinetic / self._free_kinetic_temperature(step_size) - 1
+
+    def _refresh(self) -> None:
+        # A Gibbs draw of the momenta from their stationary law, independent of theta.
+        variance = self.mass * self._free_kinetic_temperature(self.current_step_size())
+        torch._foreach_mul_(self.momenta, 0.0)
+        torch._foreach_add_(
+            self.momenta, self.standard_normal(), alpha=math.sqrt(variance / self.num_data)
+        )
 
     # -- equilibrium -----------------------------------------------------------------
 
     def _kinetic_target(self) -> float:
-        """The expected kinetic temperature of this discretisation in equilibrium."""
-        return self.temperature / (1 - self.step_size * self.friction / (2 * self.mass))
+        """The expected kinetic temperature of this discretisation in equilibrium (with
+        an adapted step size, the excess it was tuned to included)."""
+        return self._free_kinetic_temperature(self.adapted_step_size) * self._tuned_excess()
+
+    def _tuned_excess(self) -> float:
+        """1 + the excess the step size was tuned to (1 when it was not tuned)."""
+        tuned = self._adaptation is not None and self.adapt_step_size
+        return 1 + self.target_excess if tuned else 1.0
 
     def _equilibrium_warning(self) -> str | None:
         values = np.asarray(self._stats["kinetic_temperature"], dtype=float)

@@ -46,11 +46,37 @@ class SGLD(SGMCMCKernel):
         and the rest of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
 
-    def __init__(self, model, step_size: float, temperature: float = 1.0, **kwargs):
+    def __init__(self, model, step_size: float | None = None, temperature: float = 1.0, **kwargs):
         super().__init__(model, step_size, temperature, **kwargs)
 
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
-        torch._foreach_add_(theta, grads, alpha=step_size / self.num_data)
+        scale, num_data = self._scale, self.num_data
+        noise_scale = math.sqrt(2 * step_size * self.temperature / num_data)
+        if scale is None:
+            if self._adapting:
+                self._drift_norm = _squared_norm(grads)
+            torch._foreach_add_(theta, grads, alpha=step_size / num_data)
+            if self.temperature > 0:
+                torch._foreach_add_(theta, self.standard_normal(), alpha=noise_scale)
+            return
+        # theta += D^{-1/2} (eps / N D^{-1/2} g + sqrt(2 eps T / N) xi), built in the
+        # gradient tensors, which belong to this step.
+        torch._foreach_mul_(grads, scale)
+        if self._adapting:
+            self._drift_norm = _squared_norm(grads)
         if self.temperature > 0:
-            noise_scale = math.sqrt(2 * step_size * self.temperature / self.num_data)
-            torch._foreach_add_(theta, self.standard_normal(), alpha=noise_scale)
+            torch._foreach_add_(
+                grads, self.standard_normal(), alpha=noise_scale * num_data / step_size
+            )
+        torch._foreach_addcmul_(theta, grads, scale, value=step_size / num_data)
+
+    def _adaptation_statistic(self, step_size: float) -> torch.Tensor:
+        # SGLD is SGHMC with step_size * friction / mass = 1: its momentum, fresh noise
+        # plus the kick, exceeds a free particle's kinetic temperature by
+        # eps |D^{-1/2} g|^2 / (2 T N d) on average.
+        scale = 2 * self.temperature * self.num_data * self.dimension
+        return self._drift_norm * (step_size / scale)
+
+
+def _squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm(tensors)).square().sum()

@@ -78,7 +78,7 @@ class SGNHT(SGHMC):
     def __init__(
         self,
         model,
-        step_size: float,
+        step_size: float | None = None,
         friction: float = 1.0,
         mass: float = 1.0,
         temperature: float = 1.0,
@@ -108,36 +108,40 @@ class SGNHT(SGHMC):
         # A Gibbs draw of (m, xi) from their stationary law, independent of theta.
         if self.temperature == 0:
             return
-        variance = self.temperature / self.num_data
         with torch.no_grad():
-            torch._foreach_mul_(self.momenta, 0.0)
-            torch._foreach_add_(
-                self.momenta, self.standard_normal(), alpha=math.sqrt(self.mass * variance)
-            )
-            spread = math.sqrt(variance / self.dimension)
+            self._refresh()
+            spread = math.sqrt(self.temperature / (self.num_data * self.dimension))
             self.thermostat.normal_(self.friction, spread)
         if self._data_parallel:
             distributed.broadcast_([self.thermostat])  # rank 0's draw, as for the noise
 
+    def _decay(self, step_size: float) -> float | torch.Tensor:
+        if self._adapting:
+            return super()._decay(step_size)  # held at the friction while adapting
+        return 1 - (step_size / self.mass) * self.thermostat
+
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
-        # Explicit Euler as in Appendix B.3: position, momentum and thermostat all move
-        # from the current momentum m_k (the gradient is already at theta_k). Everything
-        # stays on the device: no read of the thermostat per step.
-        m = self.momenta
+        # Ding et al.'s Algorithm 2: the momentum moves first, and the position and the
+        # thermostat move with the new momentum, as in SGHMC. Everything stays on the
+        # device: no read of the thermostat per step.
+        super()._update(theta, grads, step_size)
+        if self._adapting:
+            return
         kinetic = self.kinetic_energy() / self.dimension
-        torch._foreach_add_(theta, m, alpha=step_size / self.mass)
-        torch._foreach_mul_(m, 1 - (step_size / self.mass) * self.thermostat)
-        torch._foreach_add_(m, grads, alpha=step_size / self.num_data)
-        if self.temperature > 0:
-            noise_scale = math.sqrt(
-                2 * step_size * self.temperature * self.friction / self.num_data
-            )
-            torch._foreach_add_(m, self.standard_normal(), alpha=noise_scale)
-        self.thermostat.add_(step_size * (kinetic - self.temperature / self.num_data))
+        # The discretised momenta of a free particle at temperature T have the kinetic
+        # temperature T / (1 - eps xi / (2 sigma^2)); holding them at T instead would cool
+        # the positions by that factor.
+        rate = (step_size / (2 * self.mass)) * self.thermostat.clamp(0, self.mass / step_size)
+        target = (self.temperature / self.num_data) / (1 - rate)
+        self.thermostat.add_(step_size * (kinetic - target))
 
     def _kinetic_target(self) -> float:
-        # The thermostat holds the mean of m^T m / (sigma^2 d) at T / N exactly.
-        return self.temperature
+        # The thermostat holds the kinetic temperature at the free particle's, for its
+        # own mean value (at most twice T, where the clamp above binds).
+        thermostat = float(np.mean(self._stats["thermostat"]))
+        step_size = self.adapted_step_size
+        rate = step_size * min(max(thermostat, 0.0), self.mass / step_size)
+        return self.temperature / (1 - rate / (2 * self.mass))
 
     def _decorrelation_rate(self, part: slice) -> float:
         # The thermostat is the friction; the injected noise acts at rate friction too.
