@@ -86,6 +86,10 @@ _START_REFRESH = 8
 #: variance of the gradient (the local curvature) is small against its square, and the
 #: chain moves in up to 1 / _FLOOR times faster than with the second moment.
 _FLOOR = 0.01
+#: In the slow windows the floor is higher: a coordinate that mixes slowly keeps one
+#: sign of its gradient for a whole window, and its variance there understates its
+#: curvature.
+_WINDOW_FLOOR = 0.5
 #: Pseudo-observations of the average mass that each coordinate's estimate is shrunk
 #: towards, as Stan shrinks its variances: a coordinate whose few gradients happened to
 #: vanish (the first one, at a start on a symmetry axis) would take unbounded steps.
@@ -114,6 +118,8 @@ class Adaptation:
         SGHMC, whose time runs as the square root of mass over curvature; 1 for SGLD).
     :param float max_step_size: an upper bound of the step size in mass-adapted units
         (SGHMC keeps ``step_size * friction / mass`` at most 1).
+    :param float relaxation: the rate per unit of time at which the statistic forgets
+        (SGHMC: ``friction / mass``; SGLD's statistic has no memory: infinity).
     :param bool data_parallel: the chain is one chain across the ranks of a job: the
         ranks take rank 0's mass and step size at every change.
     """
@@ -131,6 +137,7 @@ class Adaptation:
         start: float,
         step_exponent: float,
         max_step_size: float,
+        relaxation: float = math.inf,
         data_parallel: bool = False,
     ):
         self.adapt_step_size = adapt_step_size
@@ -141,6 +148,7 @@ class Adaptation:
         self._start = start
         self._exponent = step_exponent
         self._max_step_size = max_step_size
+        self._relaxation = relaxation
         self._data_parallel = data_parallel
         self._dimension = sum(t.numel() for t in theta)
         self._windows = _windows(warmup_steps)
@@ -192,8 +200,10 @@ class Adaptation:
                 if self._count & (self._count - 1) == 0:
                     floor = 1.0 if self._count < _START_REFRESH else _FLOOR
                     self._refresh_mass(1.0, min(self._count, 1 / _START_WEIGHT), floor)
-            else:  # the slow windows: the second moment itself
-                torch._foreach_addcmul_(squares, grads, grads)
+            else:  # the slow windows: Welford's mean and sum of squared deviations
+                delta = torch._foreach_sub(grads, means)
+                torch._foreach_add_(means, delta, alpha=1.0 / self._count)
+                torch._foreach_addcmul_(squares, delta, torch._foreach_sub(grads, means))
         if first and self.step_size is None:
             self.step_size = self._first_step_size(grads)
         if first:
@@ -221,7 +231,10 @@ class Adaptation:
         weight = max(1.0 / self._observed, _SPREAD_WEIGHT)
         self._spread += weight * (error * error - self._spread)
         if self._spread > 0 and not (falling and error > 0):
-            self._log_step -= _RATE * error / math.sqrt(self._spread)
+            # The statistic remembers about 1 / (2 step_size friction) steps: the step size
+            # moves no faster than that, lest it chase a heat the step did not cause.
+            memory = min(1.0, 2 * self.step_size * self._relaxation)
+            self._log_step -= _RATE * memory * error / math.sqrt(self._spread)
         self._log_step = min(self._log_step, math.log(self._max_step_size))
         self.step_size = math.exp(self._log_step)
         if self._window == len(self._windows) - 1:
@@ -235,10 +248,10 @@ class Adaptation:
             return False
         last = self._window == len(self._windows) - 1
         if self.adapt_mass_matrix and 0 < self._window < len(self._windows) - 1:
-            self._refresh_mass(1.0 / self._count, self._count, floor=1.0)
+            self._refresh_mass(1.0 / self._count, self._count, floor=_WINDOW_FLOOR)
         if self.adapt_mass_matrix and self._window < len(self._windows) - 1:
             for flat in (*self._means.flats, *self._squares.flats):
-                flat.zero_()  # a slow window's second moment: its squares, about mean 0
+                flat.zero_()
             self._count = 0
         self._window += 1
         if last:

@@ -406,6 +406,7 @@ class SGMCMCKernel(MCMCKernel):
             start=2 * self.target_excess,
             step_exponent=self._step_exponent,
             max_step_size=self._max_adapted_step_size(),
+            relaxation=self._relaxation_rate(),
             data_parallel=self._data_parallel,
         )
         self._scale = adaptation.scale
@@ -417,6 +418,10 @@ class SGMCMCKernel(MCMCKernel):
     def _max_adapted_step_size(self) -> float:
         """The largest step size adaptation may try, in mass-adapted units."""
         return 1.0 if self.adapt_mass_matrix else math.inf
+
+    def _relaxation_rate(self) -> float:
+        """The rate (per unit of time) at which the adaptation statistic forgets its past."""
+        return math.inf
 
     def _adaptation_statistic(self, step_size: float) -> torch.Tensor:
         """The excess of the position variance that this step shows (a device scalar),

@@ -152,6 +152,10 @@ class SGHMC(SGMCMCKernel):
         # step_size * friction / mass <= 1: the momentum keeps its sign, as SGD's does.
         return self.mass / self.friction if self.friction > 0 else math.inf
 
+    def _relaxation_rate(self) -> float:
+        # the kinetic energy forgets at the friction's rate
+        return self.friction / self.mass
+
     def _free_kinetic_temperature(self, step_size: float) -> float:
         """The kinetic temperature of these discretised momenta for a free particle."""
         return self.temperature / (1 - step_size * self.friction / (2 * self.mass))
