@@ -204,9 +204,8 @@ class Adaptation:
                 delta = torch._foreach_sub(grads, means)
                 torch._foreach_add_(means, delta, alpha=1.0 / self._count)
                 torch._foreach_addcmul_(squares, delta, torch._foreach_sub(grads, means))
-        if first and self.step_size is None:
-            self.step_size = self._first_step_size(grads)
         if first:
+            self.step_size = self._first_step_size(grads)
             self._log_step = math.log(self.step_size)
 
     def observe_statistic(self, excess: float, potential: float) -> None:
@@ -232,8 +231,8 @@ class Adaptation:
         self._spread += weight * (error * error - self._spread)
         if self._spread > 0 and not (falling and error > 0):
             # The statistic remembers about 1 / (2 step_size friction) steps: the step size
-            # moves no faster than that, lest it chase a heat the step did not cause.
-            memory = min(1.0, 2 * self.step_size * self._relaxation)
+            # shrinks no faster than that, lest it chase a heat the step did not cause.
+            memory = min(1.0, 2 * self.step_size * self._relaxation) if error > 0 else 1.0
             self._log_step -= _RATE * memory * error / math.sqrt(self._spread)
         self._log_step = min(self._log_step, math.log(self._max_step_size))
         self.step_size = math.exp(self._log_step)
@@ -289,15 +288,22 @@ class Adaptation:
             scale.mul_(factor * shrink).add_((1 - shrink) * mean.to(scale.dtype)).rsqrt_()
 
     def _first_step_size(self, grads: list[torch.Tensor]) -> float:
-        """``start`` in mass-adapted units, or in the units of the first gradient's
-        average second moment when the mass is not adapted."""
-        if self.adapt_mass_matrix:
-            return min(self._start, self._max_step_size)
+        """The first step size in the units of the first mass.
+
+        Without a step size given, ``start`` in mass-adapted units (converted to the
+        units of the first gradient's average second moment when the mass is not
+        adapted). A given step size is for the unit mass, as Pyro's is for its first
+        (identity) mass: with an adapted mass it becomes the step that moves the same,
+        ``step_size * mean(D) ** step_exponent`` (one read of the device, once).
+        """
         mean = float(sum(g.square().sum(dtype=torch.float64) for g in grads))
         mean /= self._dimension * self._gradient_scale
-        if not mean > 0 or not math.isfinite(mean):
-            return self._start
-        return self._start * mean ** (-self._exponent)
+        scale = mean ** self._exponent if mean > 0 and math.isfinite(mean) else 1.0
+        if self.step_size is None:
+            step_size = self._start if self.adapt_mass_matrix else self._start / scale
+        else:
+            step_size = self.step_size * scale if self.adapt_mass_matrix else self.step_size
+        return min(step_size, self._max_step_size)
 
     def _agree(self) -> None:
         """Every rank takes rank 0's mass and step size."""

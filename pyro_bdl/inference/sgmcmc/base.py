@@ -632,7 +632,8 @@ class SGMCMCKernel(MCMCKernel):
         message = self._equilibrium_warning()
         if message:
             warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
-        message = self._monitor.warning()
+        # At T = 0 the chain is an optimiser: its draws are not meant to mix.
+        message = self._monitor.warning() if self.temperature > 0 else None
         if message:
             warnings.warn(
                 f"{type(self).__name__}: {message}; {self._convergence_advice()}",

@@ -133,7 +133,13 @@ class SGNHT(SGHMC):
         # the positions by that factor.
         rate = (step_size / (2 * self.mass)) * self.thermostat.clamp(0, self.mass / step_size)
         target = (self.temperature / self.num_data) / (1 - rate)
-        self.thermostat.add_(step_size * (kinetic - target))
+        # Beyond mass / step_size the friction would reverse the momenta each step: the
+        # chain is then too hot for its step, which the kinetic check at its end reports.
+        self.thermostat.add_(step_size * (kinetic - target)).clamp_(max=self.mass / step_size)
+
+    def _max_adapted_step_size(self) -> float:
+        # step_size * friction / mass <= 1/2: room for the thermostat to double.
+        return super()._max_adapted_step_size() / 2
 
     def _kinetic_target(self) -> float:
         # The thermostat holds the kinetic temperature at the free particle's, for its
