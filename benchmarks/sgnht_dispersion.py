@@ -93,7 +93,12 @@ def main(draws: int, step_size: float, warmup: int) -> None:
         old_kernel = OldSGNHT(case.model, step_size, **options)
         rows = [("old", *run(case, old_kernel, draws, warmup))]
         thermostat = sum(old_kernel.diagnostics()["sample_stats"]["thermostat"]) / draws
-        rows.append(("old, 4x draws", *run(case, OldSGNHT(case.model, step_size, **options), 4 * draws, warmup)))
+        rows.append(
+            (
+                "old, 4x draws",
+                *run(case, OldSGNHT(case.model, step_size, **options), 4 * draws, warmup),
+            )
+        )
         quarter = OldSGNHT(case.model, step_size / 4, thin=4, **options)
         rows.append(("old, step / 4", *run(case, quarter, draws, 4 * warmup)))
         at_friction = SGHMC(case.model, step_size, friction=thermostat, **options)
@@ -102,7 +107,11 @@ def main(draws: int, step_size: float, warmup: int) -> None:
         for label, compared, kernel in rows:
             smallest, median = ratios(case, compared)
             stats = kernel.diagnostics()["sample_stats"]
-            xi = sum(stats["thermostat"]) / len(stats["thermostat"]) if "thermostat" in stats else None
+            xi = (
+                sum(stats["thermostat"]) / len(stats["thermostat"])
+                if "thermostat" in stats
+                else None
+            )
             shown = "" if xi is None else f"{xi:.3f}"
             print(f"| {name} | {label} | {smallest:.2f} | {median:.2f} | {shown} |")
 

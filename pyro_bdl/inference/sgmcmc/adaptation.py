@@ -85,11 +85,13 @@ _START_REFRESH = 8
 #: of their second moment: where a chain on its way in meets a steady force, the
 #: variance of the gradient (the local curvature) is small against its square, and the
 #: chain moves in up to 1 / _FLOOR times faster than with the second moment.
-_FLOOR = 0.01
+_FLOOR = 0.1
 #: In the slow windows the floor is higher: a coordinate that mixes slowly keeps one
 #: sign of its gradient for a whole window, and its variance there understates its
 #: curvature.
 _WINDOW_FLOOR = 0.5
+#: Relative to the geometric mean, no coordinate's mass estimate counts as smaller.
+_TINY = 1e-4
 #: Pseudo-observations of the average mass that each coordinate's estimate is shrunk
 #: towards, as Stan shrinks its variances: a coordinate whose few gradients happened to
 #: vanish (the first one, at a start on a symmetry axis) would take unbounded steps.
@@ -273,19 +275,26 @@ class Adaptation:
 
     def _refresh_mass(self, weight: float, count: float, floor: float = _FLOOR) -> None:
         """:math:`D^{-1/2}` from the gradients' variance (``squares`` times ``weight``),
-        at least ``floor`` times their second moment, over :math:`N T`; an estimate
-        from ``count`` gradients, shrunk towards the average over coordinates."""
+        at least ``floor`` times their second moment, over :math:`N T`: an estimate from
+        ``count`` gradients, and where it is below the geometric mean over coordinates,
+        shrunk towards it on the log scale (weight ``count / (count + 5)``, as Stan
+        shrinks its variances), so that coordinates of very different scales keep them."""
         for scale, means, squares in zip(self._mass.flats, self._means.flats, self._squares.flats):
-            variance = squares * weight
-            torch.maximum(variance, (variance + means.square()) * floor, out=scale)
-        factor = 1.0 / self._gradient_scale
-        total = sum(flat.sum(dtype=torch.float64) for flat in self._mass.flats)
-        mean = total * factor / self._dimension
-        # a mass of 1 where every gradient was 0
-        mean = torch.where(mean > 0, mean, torch.ones_like(mean))
+            variance = squares * (weight / self._gradient_scale)
+            unscaled = means.square().mul_(1 / self._gradient_scale).add_(variance)
+            torch.maximum(variance, unscaled.mul_(floor), out=scale)
+        positive = sum((flat > 0).sum() for flat in self._mass.flats)
+        logs = sum(flat.clamp_min(_TINY).log().mul_(flat > 0).sum() for flat in self._mass.flats)
+        # the geometric mean of the positive estimates; a mass of 1 if every gradient was 0
+        log_mean = torch.where(positive > 0, logs / positive.clamp_min(1), torch.zeros_like(logs))
         shrink = count / (count + _PRIOR_COUNT)
         for scale in self._mass.flats:
-            scale.mul_(factor * shrink).add_((1 - shrink) * mean.to(scale.dtype)).rsqrt_()
+            centre = log_mean.to(scale.dtype)
+            scale.clamp_min_(_TINY).log_().clamp_min_(centre + math.log(_TINY)).sub_(centre)
+            # only upwards: a small estimate may be luck (and would make a stiff, unstable
+            # direction), a large one is never unsafe
+            torch.where(scale < 0, scale * shrink, scale, out=scale)
+            scale.add_(centre).mul_(-0.5).exp_()
 
     def _first_step_size(self, grads: list[torch.Tensor]) -> float:
         """The first step size in the units of the first mass.
@@ -298,7 +307,7 @@ class Adaptation:
         """
         mean = float(sum(g.square().sum(dtype=torch.float64) for g in grads))
         mean /= self._dimension * self._gradient_scale
-        scale = mean ** self._exponent if mean > 0 and math.isfinite(mean) else 1.0
+        scale = mean**self._exponent if mean > 0 and math.isfinite(mean) else 1.0
         if self.step_size is None:
             step_size = self._start if self.adapt_mass_matrix else self._start / scale
         else:
@@ -321,6 +330,7 @@ class Adaptation:
             for name, buffers in self._buffers().items():
                 tensors.update({f"{name}/{i}": flat for i, flat in enumerate(buffers.flats)})
         numbers = {key: getattr(self, key) for key in _STATE}
+        numbers["trend"] = list(self._trend.values)
         return tensors, numbers
 
     def load_state(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
@@ -331,14 +341,13 @@ class Adaptation:
                     flat.copy_(tensors[f"{name}/{i}"])
         for key in _STATE:
             setattr(self, key, numbers[key])
-
+        self._trend.values = list(numbers["trend"])
 
     def _buffers(self) -> dict[str, FlatBuffers]:
         return {"scale": self._mass, "means": self._means, "squares": self._squares}
 
 
 _STATE = ("step_size", "_window", "_count", "_observed", "_spread", "_log_step", "_final")
-# (The potential's recent trend is not saved: a resumed chain judges it afresh.)
 
 
 class _Trend:
@@ -349,10 +358,10 @@ class _Trend:
 
     def __init__(self, length: int = 10):
         self.length = length
-        self._values: list[float] = []
+        self.values: list[float] = []
 
     def falling(self, value: float) -> bool:
-        values = self._values
+        values = self.values
         values.append(value)
         del values[: -2 * self.length]
         if len(values) < 2 * self.length or not math.isfinite(value):

@@ -610,7 +610,39 @@ class SGMCMCKernel(MCMCKernel):
 
     def _diverged(self, step: int, args: tuple, kwargs: dict, symptom: str) -> None:
         cause = _Diagnosis(self, step, args, kwargs).cause(symptom)
+        if step == 0:
+            cause += f"; the chain started at {self._describe_start()}"
         self._stop(step, cause)
+
+    def _describe_start(self) -> str:
+        """Where the chain started and by which rule, in words (non-finite sites first)."""
+        init = self.init_params
+        if init is None:
+            rule = (
+                "init_params=None: lifted weights at the module's values, other sites by "
+                "pyro_bdl.lift.init_to_module"
+            )
+        elif callable(init):
+            rule = f"init_params={getattr(init, '__name__', type(init).__name__)}"
+        else:
+            rule = "the given init_params"
+        values = {
+            name: (self._bijections[name](z) if name in self._bijections else z).detach()
+            for name, z in self._initial_params.items()
+        }
+        order = sorted(values, key=lambda name: bool(torch.isfinite(values[name]).all()))
+        shown = []
+        for name in order[:6]:
+            flat = values[name].reshape(-1)
+            text = ", ".join(f"{v:.4g}" for v in flat[:3].tolist())
+            text = f"[{text}{', ...' if flat.numel() > 3 else ''}]" if values[name].dim() else text
+            bad = "" if bool(torch.isfinite(flat).all()) else " (not finite)"
+            shown.append(f"{name}={text}{bad}")
+        more = f" and {len(order) - 6} more sites" if len(order) > 6 else ""
+        return (
+            f"{', '.join(shown)}{more} ({rule}); pass init_params, e.g. a dict of values or "
+            "pyro.infer.autoguide.init_to_median, to start elsewhere"
+        )
 
     def _stop(self, step: int, cause: str) -> None:
         draws = self.get_draws()

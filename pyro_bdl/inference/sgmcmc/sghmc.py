@@ -94,14 +94,14 @@ class SGHMC(SGMCMCKernel):
         super().__init__(model, step_size, temperature, **kwargs)
         self.friction = real("friction", friction, non_negative=True)
         self.mass = real("mass", mass, positive=True)
-        if self.step_size is not None and self.step_size * self.friction / self.mass >= 2:
-            decay = 1 - self.step_size * self.friction / self.mass
+        damping = None if self.step_size is None else self.step_size * self.friction / self.mass
+        if damping is not None and damping >= 2:
             raise ValueError(
                 f"step_size * friction / mass must be below 2, got {self.step_size:g} * "
-                f"{self.friction:g} / {self.mass:g} = {self.step_size * self.friction / self.mass:g}: "
-                f"each step multiplies the momentum by 1 - step_size * friction / mass = "
-                f"{decay:g}, so it grows without bound; lower step_size or friction, or raise "
-                "mass (below 1 the momentum keeps its sign, as SGD's momentum)"
+                f"{self.friction:g} / {self.mass:g} = {damping:g}: each step multiplies the "
+                f"momentum by 1 - step_size * friction / mass = {1 - damping:g}, so it grows "
+                "without bound; lower step_size or friction, or raise mass (below 1 the "
+                "momentum keeps its sign, as SGD's momentum)"
             )
 
     def hyperparameters(self) -> dict:

@@ -310,7 +310,9 @@ def test_a_model_without_observed_sites_warns_that_it_samples_the_prior():
     def model():
         pyro.sample("w", dist.Normal(0.0, 1.0))
 
-    with pytest.warns(UserWarning, match=r"no observed site, so the kernel samples the prior of \['w'\]"):
+    with pytest.warns(
+        UserWarning, match=r"no observed site, so the kernel samples the prior of \['w'\]"
+    ):
         mcmc = MCMC(SGLD(model, step_size=0.1), num_samples=2, disable_progbar=True)
         mcmc.run()
     assert mcmc.get_samples()["w"].shape == (2,)

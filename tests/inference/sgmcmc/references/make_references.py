@@ -37,7 +37,9 @@ SETTINGS = {
 
 
 def load_models():
-    spec = importlib.util.spec_from_file_location("reference_models", HERE.parent / "reference_models.py")
+    spec = importlib.util.spec_from_file_location(
+        "reference_models", HERE.parent / "reference_models.py"
+    )
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,7 +59,9 @@ def make(name: str, models) -> None:
     case = models.CASES[name]()
     chains, warmup, draws, depth = SETTINGS[name]
     pyro.set_rng_seed(0)
-    kernel = NUTS(case.model, target_accept_prob=0.9, max_tree_depth=depth, init_strategy=init_to_median)
+    kernel = NUTS(
+        case.model, target_accept_prob=0.9, max_tree_depth=depth, init_strategy=init_to_median
+    )
     mcmc = MCMC(kernel, draws, warmup, num_chains=chains, mp_context="fork", disable_progbar=True)
     start = time.perf_counter()
     mcmc.run(*case.args)
