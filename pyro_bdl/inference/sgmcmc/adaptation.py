@@ -84,12 +84,11 @@ _START_REFRESH = 8
 #: In the start buffer the mass is the gradients' variance, but at least this fraction
 #: of their second moment: where a chain on its way in meets a steady force, the
 #: variance of the gradient (the local curvature) is small against its square, and the
-#: chain moves in up to 1 / _FLOOR times faster than with the second moment.
-_FLOOR = 0.1
-#: In the slow windows the floor is higher: a coordinate that mixes slowly keeps one
-#: sign of its gradient for a whole window, and its variance there understates its
-#: curvature.
-_WINDOW_FLOOR = 0.5
+#: chain moves in up to 1 / _START_FLOOR times faster than with the second moment. (In
+#: the slow windows, near the posterior, the mass is the second moment: a coordinate
+#: that mixes slowly keeps one sign of its gradient for a whole window, and the
+#: variance there would understate its curvature and make it unstable.)
+_START_FLOOR = 0.1
 #: Relative to the geometric mean, no coordinate's mass estimate counts as smaller.
 _TINY = 1e-4
 #: Pseudo-observations of the average mass that each coordinate's estimate is shrunk
@@ -200,12 +199,10 @@ class Adaptation:
                 torch._foreach_mul_(squares, 1 - weight)
                 torch._foreach_addcmul_(squares, delta, delta, value=weight * (1 - weight))
                 if self._count & (self._count - 1) == 0:
-                    floor = 1.0 if self._count < _START_REFRESH else _FLOOR
+                    floor = 1.0 if self._count < _START_REFRESH else _START_FLOOR
                     self._refresh_mass(1.0, min(self._count, 1 / _START_WEIGHT), floor)
-            else:  # the slow windows: Welford's mean and sum of squared deviations
-                delta = torch._foreach_sub(grads, means)
-                torch._foreach_add_(means, delta, alpha=1.0 / self._count)
-                torch._foreach_addcmul_(squares, delta, torch._foreach_sub(grads, means))
+            else:  # the slow windows: the second moment (the Fisher identity's)
+                torch._foreach_addcmul_(squares, grads, grads)
         if first:
             self.step_size = self._first_step_size(grads)
             self._log_step = math.log(self.step_size)
@@ -249,7 +246,7 @@ class Adaptation:
             return False
         last = self._window == len(self._windows) - 1
         if self.adapt_mass_matrix and 0 < self._window < len(self._windows) - 1:
-            self._refresh_mass(1.0 / self._count, self._count, floor=_WINDOW_FLOOR)
+            self._refresh_mass(1.0 / self._count, self._count)
         if self.adapt_mass_matrix and self._window < len(self._windows) - 1:
             for flat in (*self._means.flats, *self._squares.flats):
                 flat.zero_()
@@ -273,9 +270,10 @@ class Adaptation:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _refresh_mass(self, weight: float, count: float, floor: float = _FLOOR) -> None:
-        """:math:`D^{-1/2}` from the gradients' variance (``squares`` times ``weight``),
-        at least ``floor`` times their second moment, over :math:`N T`: an estimate from
+    def _refresh_mass(self, weight: float, count: float, floor: float = 1.0) -> None:
+        """:math:`D^{-1/2}` from the gradients' variance about ``means`` (``squares`` times
+        ``weight``), at least ``floor`` times their second moment, over :math:`N T` (in
+        the slow windows ``means`` is 0: the second moment itself): an estimate from
         ``count`` gradients, and where it is below the geometric mean over coordinates,
         shrunk towards it on the log scale (weight ``count / (count + 5)``, as Stan
         shrinks its variances), so that coordinates of very different scales keep them."""

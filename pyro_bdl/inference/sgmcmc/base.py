@@ -276,7 +276,7 @@ class SGMCMCKernel(MCMCKernel):
         self._adapting = False
         self._step = 0
         self._iteration = 0
-        self._last = {"potential_energy": math.nan, "step_size": self.step_size}
+        self._last = {"potential_energy": math.nan, "step_size": self.step_size or math.nan}
         self._recorded: dict[str, torch.Tensor] = {}
         self._watch = _LaggedRead()
         self._previous_potential = math.nan

@@ -79,6 +79,10 @@ class Case:
         return out
 
 
+def _f64(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
 def _plate(size: int, minibatch: int | None):
     return pyro.plate("data", size, subsample_size=minibatch)
 
@@ -93,7 +97,7 @@ def make_breast_cancer(minibatch: int | None = None) -> Case:
 
     def model(x, y):
         w = pyro.sample("w", dist.Normal(torch.zeros(8, dtype=torch.float64), 1.0).to_event(1))
-        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 5.0))
+        b = pyro.sample("b", dist.Normal(_f64(0.0), 5.0))
         with _plate(len(y), minibatch) as index:
             pyro.sample("obs", dist.Bernoulli(logits=x[index] @ w + b), obs=y[index])
 
@@ -114,12 +118,14 @@ def make_regression(minibatch: int | None = None) -> Case:
             super().__init__()
             self.linear = PyroModule[torch.nn.Linear](in_features, out_features).double()
             self.linear.weight = PyroSample(
-                dist.Normal(0.0, 1.0).expand([out_features, in_features]).to_event(2)
+                dist.Normal(_f64(0.0), 1.0).expand([out_features, in_features]).to_event(2)
             )
-            self.linear.bias = PyroSample(dist.Normal(0.0, 10.0).expand([out_features]).to_event(1))
+            self.linear.bias = PyroSample(
+                dist.Normal(_f64(0.0), 10.0).expand([out_features]).to_event(1)
+            )
 
         def forward(self, x, y=None):
-            sigma = pyro.sample("sigma", dist.Uniform(0.0, 10.0))
+            sigma = pyro.sample("sigma", dist.Uniform(_f64(0.0), 10.0))
             weight, bias = self.linear.weight, self.linear.bias  # sampled once, outside the plate
             with _plate(len(x), minibatch) as index:
                 mean = (x[index] @ weight.T + bias).squeeze(-1)
@@ -134,10 +140,10 @@ def make_eight_schools() -> Case:
     sigma = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0], dtype=torch.float64)
 
     def model(sigma, y):
-        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 5.0))
-        tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(5.0, dtype=torch.float64)))
+        mu = pyro.sample("mu", dist.Normal(_f64(0.0), 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(_f64(5.0)))
         with pyro.plate("schools", len(y)):
-            eta = pyro.sample("eta", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+            eta = pyro.sample("eta", dist.Normal(_f64(0.0), 1.0))
             pyro.sample("obs", dist.Normal(mu + tau * eta, sigma), obs=y)
 
     compared = {"mu": None, "eta": None, "tau": lambda s: s["tau"].log()}
