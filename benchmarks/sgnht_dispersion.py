@@ -29,25 +29,15 @@ Run: ``python benchmarks/sgnht_dispersion.py [--draws 10000] [--step-size 0.1]``
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-import sys
 import warnings
-from pathlib import Path
 
 import pyro
 import torch
 from pyro.infer import MCMC
+from sgmcmc_overhead import reference_models
 
 from pyro_bdl.inference import SGHMC, SGNHT
-
-
-def reference_models():
-    path = Path(__file__).resolve().parents[1] / "tests/inference/sgmcmc/reference_models.py"
-    spec = importlib.util.spec_from_file_location("reference_models", path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class OldSGNHT(SGNHT):
