@@ -33,21 +33,39 @@ During ``warmup_steps`` a kernel built with ``adapt_mass_matrix=True`` and / or
   The kinetic temperature is a property of the chain's state, not of one step: the
   energy that a chain releases on its way in from a far start heats it for a while,
   and a smaller step would only slow its way in and keep it hot. So the step size does
-  not shrink while the potential energy is falling, and the momenta are drawn afresh
-  from their law at the start of every window (a Gibbs step, which leaves the target
-  invariant) to discard what heat is left. (The energy error of a step, which NUTS
-  uses, has no such memory, but for a first-order integrator with minibatch gradients
-  its mean is minus the power of the force, which a chain on its way in makes large
-  and positive: it would call for larger steps just when they are unsafe.)
+  not shrink while the potential energy is falling, shrinks no faster than the
+  statistic forgets (``friction / mass`` per unit of time), and the momenta are drawn
+  afresh from their law at the start of every window (a Gibbs step, which leaves the
+  target invariant) to discard what heat is left. (The energy error of a step, which
+  NUTS uses, has no such memory, but for a first-order integrator with minibatch
+  gradients its mean is minus the power of the force, which a chain on its way in
+  makes large and positive: it would call for larger steps just when they are unsafe.)
+  The step size moves by a stochastic-approximation step on its logarithm normalised
+  by the statistic's spread, not by Pyro's dual averaging, whose raw iterate makes
+  excursions that NUTS can reject and an SGMCMC chain cannot.
 
 The schedule is Stan's, as Pyro builds it (:class:`~pyro.infer.mcmc.adaptation.WarmupAdapter`):
-a start buffer, slow windows doubling in length, an end buffer. In the start buffer the
-mass follows an exponential average of the last ten squared gradients, so that the
-chain's way in from a far start is already preconditioned (as RMSprop); in each slow
-window the mass is fixed and the window's squared gradients are averaged, becoming the
-mass at its end; in the end buffer only the step size adapts, and the kept step size is
-the geometric mean of its values there. After warm-up nothing changes: the kept draws
-come from one kernel's stationary law.
+a start buffer, slow windows doubling in length, an end buffer.
+
+* In the start buffer, the chain's way in, the mass follows an exponentially weighted
+  *variance* of the last ten or so gradients (refreshed at steps 1, 2, 4, 8, ...),
+  floored at a tenth of their second moment: on its way in a chain meets a steady
+  force, whose square would swamp the curvature and slow it to a crawl (a chain
+  preconditioned by the second moment moves in at a speed inverse to the force).
+* In each slow window the mass is fixed and the window's squared gradients are
+  averaged, becoming the mass at its end: near the posterior the second moment itself
+  (the variance would understate the curvature of a coordinate that mixes slowly and
+  keeps one sign of its gradient for a whole window).
+* In the end buffer only the step size adapts, and the kept step size is the geometric
+  mean of its values there.
+
+An estimate from few gradients is shrunk towards the geometric mean over coordinates on
+the log scale, as Stan shrinks its variances (weight ``count / (count + 5)``), but only
+upwards: a mass too small makes a stiff, unstable direction; one too large only slows
+a direction down. A ``step_size`` given by the user is for the unit mass (as Pyro's is
+for its first, identity mass) and becomes the step that moves the same with the first
+mass. After warm-up nothing changes: the kept draws come from one kernel's stationary
+law.
 
 **References**
 
@@ -89,8 +107,11 @@ _START_REFRESH = 8
 #: that mixes slowly keeps one sign of its gradient for a whole window, and the
 #: variance there would understate its curvature and make it unstable.)
 _START_FLOOR = 0.1
-#: Relative to the geometric mean, no coordinate's mass estimate counts as smaller.
-_TINY = 1e-4
+#: No coordinate's mass is below this fraction of the geometric mean over coordinates: a
+#: gradient that stayed zero through a window (a ReLU unit dead on every batch) tells
+#: nothing, and a unit waking up with a tiny mass would take an unbounded step. (A
+#: Gaussian of condition number 10,000 along its axes still gets its own scales.)
+_TINY = 1e-2
 #: Pseudo-observations of the average mass that each coordinate's estimate is shrunk
 #: towards, as Stan shrinks its variances: a coordinate whose few gradients happened to
 #: vanish (the first one, at a start on a symmetry axis) would take unbounded steps.
@@ -282,13 +303,13 @@ class Adaptation:
             unscaled = means.square().mul_(1 / self._gradient_scale).add_(variance)
             torch.maximum(variance, unscaled.mul_(floor), out=scale)
         positive = sum((flat > 0).sum() for flat in self._mass.flats)
-        logs = sum(flat.clamp_min(_TINY).log().mul_(flat > 0).sum() for flat in self._mass.flats)
+        logs = sum(_log(flat).mul_(flat > 0).sum() for flat in self._mass.flats)
         # the geometric mean of the positive estimates; a mass of 1 if every gradient was 0
         log_mean = torch.where(positive > 0, logs / positive.clamp_min(1), torch.zeros_like(logs))
         shrink = count / (count + _PRIOR_COUNT)
         for scale in self._mass.flats:
             centre = log_mean.to(scale.dtype)
-            scale.clamp_min_(_TINY).log_().clamp_min_(centre + math.log(_TINY)).sub_(centre)
+            scale.copy_(_log(scale)).clamp_min_(centre + math.log(_TINY)).sub_(centre)
             # only upwards: a small estimate may be luck (and would make a stiff, unstable
             # direction), a large one is never unsafe
             torch.where(scale < 0, scale * shrink, scale, out=scale)
@@ -346,6 +367,11 @@ class Adaptation:
 
 
 _STATE = ("step_size", "_window", "_count", "_observed", "_spread", "_log_step", "_final")
+
+
+def _log(values: torch.Tensor) -> torch.Tensor:
+    """The logarithm, -inf-free: zeros become the dtype's smallest normal number's log."""
+    return values.clamp_min(torch.finfo(values.dtype).tiny).log()
 
 
 class _Trend:

@@ -44,6 +44,23 @@ class SGHMC(SGMCMCKernel):
     :math:`-\log\hat p(\theta)/N` (Appendix C, eq. 10), with the momentum buffer
     starting at zero. Momenta start at zero.
 
+    **Warm-up adaptation** (``adapt_step_size`` and ``adapt_mass_matrix``, Pyro's names,
+    on by default at :math:`T > 0`): warm-up learns a diagonal mass :math:`\sigma^2 D`
+    from the squared gradients (``mass`` then scales it) and the step size; the momenta
+    are then kept whitened, :math:`u = D^{-1/2} m`, and the step is
+
+    .. math::
+
+        u &\leftarrow u + \frac{\epsilon}{N} D^{-1/2} g - \frac{\epsilon\alpha}{\sigma^2}
+            u + \sqrt{\frac{2\epsilon T\alpha}{N}}\,\xi, \\
+        \theta &\leftarrow \theta + \frac{\epsilon}{\sigma^2} D^{-1/2} u,
+
+    SGHMC with mass :math:`\sigma^2 D` and friction :math:`\alpha D` (the same damping
+    rate :math:`\alpha/\sigma^2` in every direction), fixed after warm-up. See
+    :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional.
+    ``step_size * friction / mass`` must be below 2 (the momentum's factor per step,
+    :math:`1 - \epsilon\alpha/\sigma^2`, would otherwise reach -1).
+
     **Kinetic temperature.** In equilibrium the momenta are :math:`\mathcal{N}(0,
     \sigma^2 T / N)`, so the sample statistic ``kinetic_temperature``,
     :math:`N m^\top m / (\sigma^2 d)` over the :math:`d` parameters at each kept draw,
@@ -69,17 +86,18 @@ class SGHMC(SGMCMCKernel):
 
     Example::
 
-        kernel = SGHMC(model, step_size=1e-3, friction=1.0, temperature=1.0)
-        mcmc = MCMC(kernel, num_samples=50, warmup_steps=500)
+        kernel = SGHMC(model, friction=1.0, temperature=1.0)  # step size adapted
+        mcmc = MCMC(kernel, num_samples=500, warmup_steps=500)
         mcmc.run(train_loader, len(train_set))
 
     :param callable model: a Pyro model.
-    :param float step_size: :math:`\epsilon`.
+    :param float step_size: :math:`\epsilon` (with adaptation, where it starts).
     :param float friction: :math:`\alpha \ge 0`.
     :param float mass: :math:`\sigma^2 > 0`.
     :param float temperature: :math:`T \ge 0`.
-    :param kwargs: ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint``
-        and the rest of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+    :param kwargs: ``adapt_step_size``, ``adapt_mass_matrix``, ``target_excess``,
+        ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint`` and the rest
+        of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
 
     def __init__(

@@ -28,6 +28,19 @@ class SGLD(SGMCMCKernel):
     at :math:`T = 0` it is SGD with learning rate :math:`\epsilon` on
     :math:`-\log \hat p(\theta)/N`.
 
+    **Warm-up adaptation** (``adapt_step_size`` and ``adapt_mass_matrix``, Pyro's names,
+    on by default): warm-up learns a diagonal preconditioner :math:`D^{-1}` from the
+    squared gradients and the step size, and the step is then
+
+    .. math::
+
+        \theta \leftarrow \theta + \frac{\epsilon}{N} D^{-1} g
+            + \sqrt{\frac{2 \epsilon T}{N}}\, D^{-1/2} \xi,
+
+    fixed after warm-up, so its stationary law is still the posterior's (a constant
+    preconditioner needs no correction term). See
+    :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional.
+
     **References**
 
     [1] M. Welling, Y. W. Teh. Bayesian learning via stochastic gradient Langevin
@@ -36,14 +49,15 @@ class SGLD(SGMCMCKernel):
 
     Example::
 
-        mcmc = MCMC(SGLD(model, step_size=1e-3), num_samples=100, warmup_steps=1000)
+        mcmc = MCMC(SGLD(model), num_samples=1000, warmup_steps=1000)
         mcmc.run(train_loader, len(train_set))
 
     :param callable model: a Pyro model.
-    :param float step_size: :math:`\epsilon`.
+    :param float step_size: :math:`\epsilon` (with adaptation, where it starts).
     :param float temperature: :math:`T \ge 0`.
-    :param kwargs: ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint``
-        and the rest of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+    :param kwargs: ``adapt_step_size``, ``adapt_mass_matrix``, ``target_excess``,
+        ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint`` and the rest
+        of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
 
     def __init__(self, model, step_size: float | None = None, temperature: float = 1.0, **kwargs):
