@@ -10,6 +10,7 @@ from pyro_bdl import data, diagnostics, metrics, priors
 from pyro_bdl.arviz import to_arviz
 from pyro_bdl.lift import LiftedModule, init_to_module, lift
 from pyro_bdl.likelihoods import observe
+from pyro_bdl.persistence import load, save
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,8 @@ __all__ = [
     "init_to_module",
     "observe",
     "to_arviz",
+    "save",
+    "load",
     "priors",
     "data",
     "metrics",

@@ -28,14 +28,21 @@ from typing import Any
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.infer.autoguide.initialization import init_to_mean
+from pyro.infer.autoguide.initialization import init_to_feasible, init_to_sample
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pyro_bdl._checks import instance
 from pyro_bdl.priors import IIDNormal, Prior
 
-__all__ = ["lift", "LiftedModule", "init_to_module", "parameter_owner", "Selector"]
+__all__ = [
+    "lift",
+    "LiftedModule",
+    "init_to_module",
+    "parameter_owner",
+    "recording_calls",
+    "Selector",
+]
 
 Selector = None | str | Sequence[str] | Callable[[str, torch.Tensor], bool]
 
@@ -44,11 +51,17 @@ Selector = None | str | Sequence[str] | Callable[[str, torch.Tensor], bool]
 _INIT_KEY = "bdl_module_weight"
 
 
-def init_to_module(site: dict, fallback: Callable[[dict], torch.Tensor] = init_to_mean):
+def init_to_module(site: dict, fallback: Callable[[dict], torch.Tensor] = init_to_feasible):
     """Pyro init strategy: a lifted weight starts at the module's current value.
 
-    Sites that :func:`lift` did not create fall back to ``fallback`` (the prior mean
-    by default), never to a random draw, which would destroy a pretrained network.
+    A lifted weight never starts at a random draw, which would destroy a pretrained
+    network. Sites that :func:`lift` did not create fall back to ``fallback``: by
+    default Pyro's :func:`~pyro.infer.autoguide.initialization.init_to_feasible`, the
+    point ``biject_to(support)(0)``, the default of Pyro's ``AutoNormal``: a feasible
+    point of every support (a ``HalfCauchy`` scale, whose mean is infinite, starts at 1),
+    the same at every call, whatever the prior's parameters. A discrete site (a label the
+    model samples when it predicts, ``obs=None``) is drawn from its distribution: it has
+    no unconstrained space, and no method here starts a chain or a guide there.
 
     :param dict site: a Pyro sample-site message.
     :param callable fallback: init strategy for sites that are not lifted weights.
@@ -56,6 +69,8 @@ def init_to_module(site: dict, fallback: Callable[[dict], torch.Tensor] = init_t
     weight = site["infer"].get(_INIT_KEY)
     if weight is not None:
         return weight.detach().clone()
+    if site["fn"].support.is_discrete:
+        return init_to_sample(site)
     return fallback(site)
 
 
@@ -439,6 +454,28 @@ def _tied_names(module: torch.nn.Module) -> dict[str, str]:
         else:
             first[id(param)] = name
     return aliases
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[LiftedModule]]:
+    """The lifted networks called inside the context, in the order of their first call.
+
+    How a guide finds the networks of a model that is any callable (BLoB's flipout hooks,
+    the peft adapter ``bdl.save`` writes).
+    """
+    called: list[LiftedModule] = []
+    call = LiftedModule.__call__
+
+    def recording(net, *args, **kwargs):
+        if not any(net is seen for seen in called):
+            called.append(net)
+        return call(net, *args, **kwargs)
+
+    LiftedModule.__call__ = recording
+    try:
+        yield called
+    finally:
+        LiftedModule.__call__ = call
 
 
 def parameter_owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:

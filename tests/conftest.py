@@ -1,8 +1,10 @@
 import os
+import sys
 from pathlib import Path
 
 import pyro
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -10,12 +12,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
+# The models ported from Pyro's examples (tests/pyro_models.py), importable by every test
+# module as ``pyro_models`` (tests are imported with --import-mode=importlib).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 @pytest.fixture(autouse=True)
 def _clear_param_store():
     pyro.clear_param_store()
     yield
     pyro.clear_param_store()
+
+
+@pytest.fixture
+def float64():
+    """Make float64 the default dtype for one test (its references are float64)."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(dtype)
 
 
 @pytest.fixture

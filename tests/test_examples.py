@@ -2,13 +2,16 @@
 
 The scripts run in this process (``runpy``), so that they share one import of torch,
 transformers and pyro_bdl; each sees its own ``sys.argv`` and a clean Pyro param store.
-``distributed_chains.py`` has its own test under torchrun (tests/distributed).
+An example in stages (``--stage``) runs each stage as its own script run, passing on
+nothing but what it writes into ``--out``. ``distributed_chains.py`` has its own test
+under torchrun (tests/distributed).
 """
 
 import runpy
 import sys
 from pathlib import Path
 
+import pyro
 import pytest
 import torch
 
@@ -22,10 +25,13 @@ CASES = {
     "cnn_lstm_imdb": (True, ["cold_posterior.png", "results.json"]),
     "continual_learning": (True, ["continual.png", "results.json"]),
     "large_model_gpu": (True, ["memory.png", "results.json"]),
+    "posthoc_laplace_lora": (True, ["posterior/manifest.json", "results.json"]),
 }
-SLOW = {"lora_classification"}
+SLOW = {"lora_classification", "posthoc_laplace_lora"}
 # These load all-MiniLM-L6-v2 or its tokenizer, from the ``minilm`` extra.
-NEEDS_MINILM = {"getting_started", "lora_classification", "large_model_gpu"}
+NEEDS_MINILM = {"getting_started", "lora_classification", "large_model_gpu", "posthoc_laplace_lora"}
+# Examples whose stages run as separate processes in real use.
+STAGES = {"posthoc_laplace_lora": ["finetune", "bayesianise", "predict"]}
 
 
 def test_every_example_is_tested():
@@ -44,11 +50,13 @@ def test_example_runs_quick(name, tmp_path, monkeypatch, request):
     argv = [name, "--quick", "--out", str(tmp_path)]
     if needs_data:
         argv += ["--data-dir", str(request.getfixturevalue("shared_data"))]
-    monkeypatch.setattr(sys, "argv", argv)
-    dtype = torch.get_default_dtype()
-    try:
-        runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
-    finally:
-        torch.set_default_dtype(dtype)
+    for stage in STAGES.get(name, [None]):
+        monkeypatch.setattr(sys, "argv", argv + ([] if stage is None else ["--stage", stage]))
+        pyro.clear_param_store()
+        dtype = torch.get_default_dtype()
+        try:
+            runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
+        finally:
+            torch.set_default_dtype(dtype)
     for output in outputs:
         assert (tmp_path / output).stat().st_size > 0, f"{name} did not write {output}"

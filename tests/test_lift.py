@@ -4,6 +4,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer.autoguide.initialization import InitMessenger
 
 import pyro_bdl as bdl
 
@@ -298,3 +299,21 @@ def test_a_prior_assigned_later_is_checked_too():
     net = bdl.lift(_mlp())
     with pytest.raises(TypeError, match="prior must be a prior object"):
         net.prior = "normal"
+
+
+def test_sites_that_are_not_module_weights_start_at_a_feasible_point():
+    # Pyro's init_to_feasible: biject_to(support)(0), the same at every call; a HalfCauchy
+    # scale (infinite mean, the old default's NaN start) starts at 1, a Uniform(0, 10) at
+    # 5, a Normal(3, 1) at 0; a discrete site (a label predicted with obs=None) is drawn.
+    def site(fn):
+        return {"name": "s", "fn": fn, "infer": {}, "is_observed": False}
+
+    assert bdl.init_to_module(site(dist.HalfCauchy(torch.tensor(25.0)))).item() == 1.0
+    assert bdl.init_to_module(site(dist.Uniform(0.0, 10.0))).item() == 5.0
+    assert bdl.init_to_module(site(dist.Normal(3.0, 1.0))).item() == 0.0
+    label = bdl.init_to_module(site(dist.Categorical(logits=torch.zeros(4))))
+    assert label.dtype == torch.long and 0 <= int(label) < 4
+    layer = torch.nn.Linear(2, 1)
+    net = bdl.lift(layer)
+    trace = pyro.poutine.trace(InitMessenger(bdl.init_to_module)(net)).get_trace(torch.ones(2))
+    assert torch.equal(trace.nodes["weight"]["value"], layer.weight.detach())

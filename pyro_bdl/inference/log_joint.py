@@ -25,7 +25,7 @@ calls it on its prototype trace.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import pyro
 import torch
@@ -53,8 +53,10 @@ class LogJoint(Messenger):
     :param bool analytic_priors: leave the gradient and the value of isotropic normal
         priors to :meth:`add_prior_scores` and :meth:`analytic_prior_value` (see the
         module docstring); :attr:`autograd_value` is then the rest of the log joint.
-    :param bool likelihood_only: sum the observed sites only, leaving out the priors of
-        the latent sites (for methods that treat the prior in closed form, as IVON does).
+    :param likelihood_only: True: sum the observed sites only, leaving out the priors of
+        the latent sites (for methods that treat the prior in closed form, as IVON does);
+        a collection of latent site names: leave out the priors of those sites only.
+    :ivar bool observed: whether an observed site (not a ``pyro.deterministic``) was seen.
     """
 
     def __init__(
@@ -62,12 +64,15 @@ class LogJoint(Messenger):
         values: dict[str, torch.Tensor],
         analytic_priors: bool = False,
         *,
-        likelihood_only: bool = False,
+        likelihood_only: bool | Collection[str] = False,
     ):
         super().__init__()
         self.values = instance("values", values, Mapping, "a dict site name -> value")
         self.analytic_priors = instance("analytic_priors", analytic_priors, bool, "True or False")
-        self.likelihood_only = instance("likelihood_only", likelihood_only, bool, "True or False")
+        self.likelihood_only = instance(
+            "likelihood_only", likelihood_only, (bool, Collection), "True, False or site names"
+        )
+        self.observed = False
         #: The log joint less the analytic priors: what autograd differentiates.
         self.autograd_value: torch.Tensor | float = 0.0
         # site -> (loc, precision * scale): the prior's score is -coef * (theta - loc).
@@ -96,9 +101,16 @@ class LogJoint(Messenger):
         msg["is_observed"] = True
         self._latent.add(msg["name"])
 
+    def _leaves_out(self, name: str) -> bool:
+        if name not in self._latent or self.likelihood_only is False:
+            return False
+        return self.likelihood_only is True or name in self.likelihood_only
+
     def _pyro_post_sample(self, msg: dict) -> None:
-        if site_is_subsample(msg) or (self.likelihood_only and msg["name"] in self._latent):
+        if site_is_subsample(msg) or self._leaves_out(msg["name"]):
             return
+        if msg["name"] not in self._latent and not msg["infer"].get("_deterministic"):
+            self.observed = True
         fn, scale = msg["fn"], msg["scale"]
         if (
             self.analytic_priors
@@ -113,7 +125,11 @@ class LogJoint(Messenger):
         log_prob = scale_and_mask(
             fn.log_prob(msg["value"], *msg["args"], **msg["kwargs"]), scale, msg["mask"]
         )
-        self.autograd_value = self.autograd_value + log_prob.sum()
+        self._add(msg, log_prob.sum())
+
+    def _add(self, msg: dict, log_prob: torch.Tensor) -> None:
+        """Add one site's (scaled, masked) log density; a subclass may split the sum."""
+        self.autograd_value = self.autograd_value + log_prob
 
     @torch.no_grad()
     def add_prior_scores(self, grads: dict[str, torch.Tensor]) -> None:

@@ -3,17 +3,24 @@
 Every inference routine of pyro_bdl (SGMCMC kernels, the Laplace curvature pass,
 VI training) is called with the model's own arguments, in which any
 :class:`torch.utils.data.DataLoader` stands for "the next batch". This module makes
-that substitution, cycling through epochs, or makes one pass over the data.
+that substitution, cycling through epochs, or makes one pass over the data
+(:class:`DataPass`), which for a model that subsamples with its own ``pyro.plate``
+enumerates that plate's indices (:class:`SubsamplePlate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pyro
+import torch
+from pyro.poutine.messenger import Messenger
+from pyro.poutine.util import site_is_subsample
 from torch.utils.data import DataLoader
 
-__all__ = ["Minibatches"]
+__all__ = ["Minibatches", "DataPass", "SubsamplePlate"]
 
 
 class Minibatches:
@@ -89,3 +96,129 @@ class Minibatches:
         args = tuple(batches.get(i, a) for i, a in enumerate(self.args))
         kwargs = {k: batches.get(k, v) for k, v in self.kwargs.items()}
         return args, kwargs
+
+
+class SubsamplePlate(Messenger):
+    """Fix the indices of a plate that draws its own subsample, one chunk at a time.
+
+    A model that subsamples with ``pyro.plate(name, N, subsample_size=B)`` draws ``B``
+    random indices at every call; a method that must see every example once (a Laplace
+    curvature pass) sets them instead, through the plate's own subsample site, to
+    ``0..B-1``, ``B..2B-1``, ... The plate keeps its scale ``N / B``. The last chunk, when
+    ``B`` does not divide ``N``, is the last ``B`` indices with the ones already seen
+    masked out (the plate's subsample size is fixed), so each example counts once.
+
+    Example::
+
+        plate = SubsamplePlate.find(model, args, kwargs)   # None if the model has none
+        for chunk in plate.chunks():
+            with chunk:
+                model(*args, **kwargs)
+
+    :param str name: the plate's name.
+    :param int size: ``N``.
+    :param int subsample_size: ``B``.
+    """
+
+    def __init__(self, name: str, size: int, subsample_size: int):
+        super().__init__()
+        self.name, self.size, self.subsample_size = name, size, subsample_size
+        self._indices: torch.Tensor | None = None
+        self._keep: torch.Tensor | None = None
+
+    @classmethod
+    def find(cls, model: Callable, args: tuple, kwargs: dict) -> SubsamplePlate | None:
+        """The plate of ``model`` (run on ``args``) that draws its own subsample, if any.
+
+        :raises ValueError: if the model has more than one.
+        """
+        with torch.no_grad(), pyro.poutine.block():
+            trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+        drawn = {
+            name: site["fn"]
+            for name, site in trace.nodes.items()
+            if site["type"] == "sample"
+            and site_is_subsample(site)
+            and site["fn"].subsample_size is not None
+            and site["fn"].subsample_size < site["fn"].size
+        }
+        if len(drawn) > 1:
+            raise ValueError(
+                f"the model subsamples with more than one plate {list(drawn)}; a pass over "
+                "the data can enumerate the indices of one: subsample one plate, or pass "
+                "the data as a DataLoader"
+            )
+        if not drawn:
+            return None
+        ((name, fn),) = drawn.items()
+        return cls(name, fn.size, fn.subsample_size)
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks in one pass, ``ceil(N / B)``."""
+        return -(-self.size // self.subsample_size)
+
+    def chunks(self) -> Iterator[SubsamplePlate]:
+        """This messenger set to each chunk of indices in turn (use each as a context)."""
+        for start in range(0, self.size, self.subsample_size):
+            first = min(start, self.size - self.subsample_size)
+            self._indices = torch.arange(first, first + self.subsample_size)
+            self._keep = None if first == start else self._indices >= start
+            yield self
+
+    @property
+    def kept(self) -> int:
+        """Examples of the current chunk not seen before."""
+        return self.subsample_size if self._keep is None else int(self._keep.sum())
+
+    def _pyro_sample(self, msg: dict) -> None:
+        if msg["name"] == self.name and site_is_subsample(msg):
+            msg["value"] = self._indices.to(getattr(msg["fn"], "device", None))
+            msg["done"] = True
+        elif self._keep is not None:
+            frame = next((f for f in msg["cond_indep_stack"] if f.name == self.name), None)
+            if frame is not None:
+                keep = self._keep.reshape((-1,) + (1,) * (-frame.dim - 1))
+                msg["mask"] = keep if msg["mask"] is None else msg["mask"] & keep
+
+
+class DataPass:
+    """One pass over the whole data set of a model: what a curvature or full-batch pass iterates.
+
+    The model's DataLoader arguments (see :class:`Minibatches`) give its batches; without
+    any, a model that subsamples with its own plate (``pyro.plate("data", N,
+    subsample_size=B)``) gives the chunks of that plate's indices (see
+    :class:`SubsamplePlate`); a model with neither (data in its arguments or in a
+    closure, ``pyro.condition``) is one run over all of it.
+
+    Example::
+
+        for args, kwargs, context in DataPass(model, args, kwargs):
+            with context:
+                model(*args, **kwargs)
+
+    :param callable model: the Pyro model.
+    :param tuple args: its positional arguments (DataLoaders stand for their batches).
+    :param dict kwargs: its keyword arguments.
+    """
+
+    def __init__(self, model: Callable, args: tuple, kwargs: dict):
+        self.batches = Minibatches(args, kwargs)
+        self.plate = None
+        if not self.batches.has_loaders:
+            self.plate = SubsamplePlate.find(model, self.batches.args, self.batches.kwargs)
+
+    @property
+    def runs(self) -> int:
+        """Model runs in one pass."""
+        if self.plate is not None:
+            return self.plate.num_chunks
+        return self.batches.batches_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[tuple, dict, contextlib.AbstractContextManager]]:
+        if self.plate is None:
+            for args, kwargs in self.batches.one_pass():
+                yield args, kwargs, contextlib.nullcontext()
+            return
+        for chunk in self.plate.chunks():
+            yield self.batches.args, self.batches.kwargs, chunk

@@ -50,21 +50,24 @@ def log_marginal_likelihood(
     """The Laplace evidence, differentiable in ``prior_precision``.
 
     :param torch.Tensor log_likelihood: :math:`\\log p(\\mathcal{D} \\mid \\theta_\\text{MAP})`
-        summed over the whole data set.
+        summed over the whole data set, plus the log prior at :math:`\\theta_\\text{MAP}` of
+        the sites that have no Gaussian prior term here.
     :param list blocks: the posterior precision's blocks (curvature :math:`H`).
-    :param dict loc: :math:`\\theta_\\text{MAP}` per site.
-    :param dict prior_loc: :math:`\\mu_0` per site.
+    :param dict loc: :math:`\\theta_\\text{MAP}` per site (every site: :math:`d` counts them).
+    :param dict prior_loc: :math:`\\mu_0` per site with the Gaussian prior
+        :math:`\\mathcal{N}(\\mu_0, \\delta^{-1})` (a site left out has its log prior in
+        ``log_likelihood``).
     :param dict prior_precision: :math:`\\delta` per site, broadcastable to the site.
     """
     log_prior = 0.0
-    num_params = 0
-    for site, value in loc.items():
+    gaussian = 0
+    for site, mean in prior_loc.items():
+        value = loc[site]
         delta = prior_precision[site].expand(value.shape)
-        log_prior = log_prior + 0.5 * (
-            delta.log().sum() - (delta * (value - prior_loc[site]).square()).sum()
-        )
-        num_params += value.numel()
-    log_prior = log_prior - 0.5 * num_params * math.log(2 * math.pi)
+        log_prior = log_prior + 0.5 * (delta.log().sum() - (delta * (value - mean).square()).sum())
+        gaussian += value.numel()
+    log_prior = log_prior - 0.5 * gaussian * math.log(2 * math.pi)
+    num_params = sum(value.numel() for value in loc.values())
     log_det = sum(block.log_det(prior_precision) for block in blocks)
     return log_likelihood + log_prior + 0.5 * num_params * math.log(2 * math.pi) - 0.5 * log_det
 

@@ -12,7 +12,14 @@ It is an :class:`~pyro.infer.autoguide.AutoGuide`: calling it draws every site f
 :math:`q`, so ``Predictive(model, guide=guide, num_samples=S)`` gives the sampled-weights
 predictive and ``bdl.to_arviz(guide, num_samples=S)`` exports draws. The linearised
 predictive, the evidence, prior-precision tuning and the posterior-as-prior live here as
-methods.
+methods. ``bdl.save(guide, directory)`` keeps a fitted guide and ``bdl.load(directory,
+model)`` gives it back in another process (:mod:`pyro_bdl.persistence`).
+
+On a model without the per-example structure those curvatures need (a constrained
+site, a hierarchical prior, a latent scale of the likelihood, several likelihoods, see
+:mod:`~pyro_bdl.inference.laplace.hessian`), ``curvature="full"`` is the exact Hessian
+of the log joint in the unconstrained space, as Pyro's ``AutoLaplaceApproximation``
+computes it, and the other curvatures refuse the model, naming what is missing.
 """
 
 from __future__ import annotations
@@ -20,11 +27,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.distributions import constraints
+from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from tqdm.auto import tqdm
@@ -32,9 +40,12 @@ from tqdm.auto import tqdm
 from pyro_bdl import distributed
 from pyro_bdl._checks import function, instance, integer, one_of, real
 from pyro_bdl._draws import kept_draws
-from pyro_bdl.inference.laplace.curvature import Curvature, make_curvature
+from pyro_bdl.inference.guide_state import GuideState, dtype_name
+from pyro_bdl.inference.laplace.curvature import Curvature, Full, make_curvature
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
+from pyro_bdl.inference.laplace.hessian import HessianBlock, LogJointPass
 from pyro_bdl.inference.laplace.jacobians import DenseGradient, ModelJacobians
+from pyro_bdl.inference.laplace.observation import StructureError
 from pyro_bdl.inference.laplace.predictive import (
     LINKS,
     laplace_bridge,
@@ -42,8 +53,14 @@ from pyro_bdl.inference.laplace.predictive import (
     probit,
 )
 from pyro_bdl.inference.laplace.prior import LaplacePrior
+from pyro_bdl.inference.laplace.state import (
+    curvature_from_settings,
+    laplace_state,
+    restore_laplace,
+)
 from pyro_bdl.inference.map import adam_at_prior_scale, minimise
-from pyro_bdl.inference.minibatch import Minibatches
+from pyro_bdl.inference.minibatch import DataPass, Minibatches
+from pyro_bdl.inference.sites import LatentSites
 from pyro_bdl.lift import init_to_module
 from pyro_bdl.priors import normal_parameters
 
@@ -56,7 +73,7 @@ _FIRST_ROUND = 5
 PriorPrecision = float | Mapping[str, float | torch.Tensor] | None
 
 
-class LaplaceGuide(AutoGuide):
+class LaplaceGuide(GuideState, AutoGuide):
     r"""Laplace approximation :math:`\mathcal{N}(\theta_\text{MAP}, T P^{-1})` of a model's weights.
 
     :meth:`fit` finds the MAP (Adam on minibatches, then L-BFGS on full passes to a
@@ -68,8 +85,12 @@ class LaplaceGuide(AutoGuide):
     .. math:: P = H + \operatorname{diag}(\delta), \qquad \Sigma = T P^{-1},
 
     with :math:`\delta = 1/\sigma^2` from the model's normal priors unless
-    ``prior_precision`` overrides it. :math:`T` tempers the whole posterior,
-    :math:`p(\theta \mid \mathcal{D})^{1/T}`, as the SGMCMC kernels do.
+    ``prior_precision`` overrides it. A prior that is not a Normal (real support, fixed,
+    entry by entry independent, e.g. a ``Logistic``) contributes its own curvature
+    :math:`-\partial^2 \log p(\theta) / \partial\theta^2` at the mode in place of
+    :math:`\delta`, which only K-FAC, needing one precision per layer, refuses.
+    :math:`T` tempers the whole posterior, :math:`p(\theta \mid \mathcal{D})^{1/T}`, as the
+    SGMCMC kernels do.
 
     Curvatures: ``"diag_ggn"``, ``"diag_ef"``, ``"kron"`` (K-FAC per linear layer, the
     default, as in Laplace-LoRA), ``"kron_lowrank"`` (rank-16 large factors) and
@@ -99,8 +120,10 @@ class LaplaceGuide(AutoGuide):
         probs = guide.predictive(test_batch, len(train_set), link="mc")
         draws = Predictive(model, guide=guide, num_samples=20)(test_batch, len(train_set))
 
-    :param callable model: a Pyro model with one ``bdl.observe`` site and latent sites
-        with normal priors, outside plates.
+    :param callable model: a Pyro model: for the GGN and Fisher curvatures, one observed
+        site (``bdl.observe``, or ``pyro.sample(..., obs=...)`` of a supported likelihood,
+        in any plate, subsampled or not) and real latent sites with fixed priors; for
+        ``"full"`` any model whose latent sites are global (see the module docstring).
     :param curvature: a curvature name or :class:`Curvature` instance.
     :param prior_precision: :math:`\delta`: None (from the model's priors), one positive
         number for every site, or a dict site -> number or tensor (others from the priors).
@@ -135,6 +158,11 @@ class LaplaceGuide(AutoGuide):
         self.init_loc_fn = init_loc_fn
         self._prior_precision_arg = prior_precision
         self._blocks = None
+        #: the link :meth:`predictive` uses by default: ``"mc"``, or what :meth:`select_link`
+        #: chose (saved with the guide)
+        self.link = "mc"
+        #: why the exact Hessian of the log joint is used (None: the curvature's structure)
+        self.exact_hessian_reason: str | None = None
 
     # -- fitting ---------------------------------------------------------------------
 
@@ -206,11 +234,12 @@ class LaplaceGuide(AutoGuide):
         instance("progress", progress, bool, "True or False")
         if optimizer is not None:
             instance("optimizer", optimizer, pyro.optim.PyroOptim, "a pyro.optim optimiser")
-        batches = Minibatches(args, kwargs)
-        first_args, first_kwargs = batches.peek()
-        self._setup_prototype(*first_args, **first_kwargs)
         model = self._laplace_model[0]
+        batches = DataPass(model, args, kwargs)
+        first_args, first_kwargs = batches.batches.peek()
+        self._setup_prototype(*first_args, **first_kwargs)
         if map is True:
+            self._probe_structure(model, first_args, first_kwargs)
             values, _ = minimise(
                 model,
                 args,
@@ -220,43 +249,58 @@ class LaplaceGuide(AutoGuide):
                 False,
                 self.init_loc_fn,
                 progress,
+                jacobian=True,
             )
         elif map is False:
-            values = {name: site["value"] for name, site in self._sites.items()}
+            values = {name: site.message["value"] for name, site in self.sites.items()}
         else:
             values = self._checked_values(map)
-        self._loc = {name: value.detach().clone() for name, value in values.items()}
+        values = {name: value.detach() for name, value in values.items()}
+        self._loc = {name: z.clone() for name, z in self.sites.unconstrain(values).items()}
         check = mode_tolerance is not None
         self._accumulate(model, batches, progress, gradient=check)
         passes = rounds = 0
-        while (
-            check and map is True and passes < max_passes and self._mode_distance() > mode_tolerance
-        ):
+        distance = self._mode_distance() if check else 0.0
+        while check and map is True and passes < max_passes and distance > mode_tolerance:
             budget = min(max_passes - passes, _FIRST_ROUND * 2**rounds)
             rounds += 1
+            before = self._loc
             passes += self._refine(model, batches, mode_tolerance, budget, progress)
+            # A round whose line search found no decrease has met the precision of the log
+            # joint itself: more rounds cannot bring the mode closer.
+            if all(torch.equal(before[name], value) for name, value in self._loc.items()):
+                break
             self._accumulate(model, batches, progress, gradient=True)
-        if check and self._mode_distance() > mode_tolerance:
+            distance = self._mode_distance()
+        if check and distance > mode_tolerance:
             self._warn_not_a_mode(map, mode_tolerance, num_steps, max_passes)
+        if self.exact_hessian_reason is not None:
+            _check_positive_definite(self._blocks[0], self.exact_hessian_reason)
         return self
 
     def _prior_scales(self) -> dict[str, float]:
-        return {name: float(delta.rsqrt().mean()) for name, delta in self._model_precision.items()}
+        """The scale each site's unconstrained value lives on: a Normal prior's standard
+        deviation, 1 for any other prior (the scale of the unconstrained space)."""
+        scales = {}
+        for name, site in self.sites.items():
+            normal = normal_parameters(site.message["fn"], site.message["value"])
+            scales[name] = 1.0 if normal is None or not site.is_real else float(normal[1].mean())
+        return scales
 
     def _checked_values(self, values: Mapping) -> dict[str, torch.Tensor]:
         """``fit(map=values)``: one finite tensor per latent site, of the site's shape."""
-        missing = [name for name in self._sites if name not in values]
+        missing = [name for name in self.sites if name not in values]
         if missing:
             raise ValueError(f"fit(map=...): no value for the latent sites {missing[:5]}")
-        unknown = [name for name in values if name not in self._sites]
+        unknown = [name for name in values if name not in self.sites]
         if unknown:
             raise ValueError(
                 f"fit(map=...): {unknown[:5]} are not latent sites of the model; its latent "
-                f"sites are {list(self._sites)[:5]}"
+                f"sites are {list(self.sites)[:5]}"
             )
         checked = {}
-        for name, site in self._sites.items():
-            like = site["value"]
+        for name, site in self.sites.items():
+            like = site.message["value"]
             value = values[name]
             if not torch.is_tensor(value):
                 raise TypeError(
@@ -270,40 +314,92 @@ class LaplaceGuide(AutoGuide):
                 )
             if not bool(torch.isfinite(value).all()):
                 raise ValueError(f"fit(map=...): the value of {name!r} is not finite")
+            fn = site.message["fn"]
+            if not bool(fn.support.check(value).all()):
+                raise ValueError(
+                    f"fit(map=...): the value of {name!r} is outside the site's support "
+                    f"{fn.support}"
+                )
             checked[name] = value.to(dtype=like.dtype, device=like.device)
         return checked
 
     def _setup_prototype(self, *args, **kwargs) -> None:
         super()._setup_prototype(*args, **kwargs)
-        self._sites = dict(self.prototype_trace.iter_stochastic_nodes())
-        if not self._sites:
+        self.sites = LatentSites(self.prototype_trace, "LaplaceGuide")
+        if not self.sites:
             raise ValueError("LaplaceGuide: the model has no latent sample sites")
-        self._prior_loc = {}
-        model_precision = {}
-        for name, site in self._sites.items():
-            if site["cond_indep_stack"]:
-                raise ValueError(
-                    f"LaplaceGuide: latent site {name!r} is inside plate "
-                    f"{site['cond_indep_stack'][0].name!r}; declare weights outside plates "
-                    "(use .to_event() for their shape)"
-                )
-            if not _is_real(site["fn"].support):
-                raise ValueError(
-                    f"LaplaceGuide: latent site {name!r} has support {site['fn'].support}; "
-                    "the Laplace approximation needs real-valued weights"
-                )
-            loc, scale = _normal_prior(name, site["fn"], site["value"])
-            self._prior_loc[name] = loc
-            model_precision[name] = scale.reciprocal().square()
-        self._model_precision = model_precision
+        self.sites.refuse_local(
+            "the Laplace approximation is over global sites, as Pyro's AutoLaplaceApproximation's"
+        )
+        fixed = self.sites.fixed_priors(self.model, args, kwargs)
+        self.exact_hessian_reason = None
+        self._prior_loc, self._model_precision, self._other_priors = {}, {}, {}
+        for name, site in self.sites.items():
+            reason = _no_structure(name, site, fixed)
+            if reason is not None:
+                self._use_exact_hessian(reason)
+                return
+            normal = self.sites.normal_prior(name, fixed) if site.unscaled else None
+            if normal is None:  # its curvature by autodiff, at each curvature pass
+                self._other_priors[name] = site.message
+                continue
+            self._prior_loc[name] = normal[0]
+            self._model_precision[name] = normal[1].reciprocal().square()
+        self._prior_precision = {}
         self.prior_precision = self._prior_precision_arg
 
-    def _accumulate(
-        self, model: Callable, batches: Minibatches, progress: bool, gradient: bool
-    ) -> None:
+    def _use_exact_hessian(self, reason: str) -> None:
+        """Take the exact Hessian of the log joint, or refuse the model by name."""
+        if not isinstance(self.curvature, Full):
+            raise StructureError(
+                f"LaplaceGuide(curvature={self.curvature.name!r}): {reason}, so the "
+                "per-example structure of the GGN and Fisher curvatures is not there. "
+                "curvature='full' takes the exact Hessian of the log joint instead (as "
+                "Pyro's AutoLaplaceApproximation), for models of up to "
+                f"Full(max_params=...) latent entries"
+            )
+        if self._prior_precision_arg is not None:
+            raise ValueError(
+                f"prior_precision: {reason}, so LaplaceGuide takes the exact Hessian of the "
+                "model's log joint, prior included; there is no separate prior precision to "
+                "set: change the prior's scale in the model"
+            )
+        size = self.sites.numel
+        if size > self.curvature.max_params:
+            raise ValueError(
+                f"LaplaceGuide: {reason}, so the curvature is the exact Hessian of the log "
+                f"joint, a {size} x {size} matrix, more than max_params="
+                f"{self.curvature.max_params}; pass Full(max_params=...) if the memory is there"
+            )
+        self.exact_hessian_reason = reason
+        self._prior_loc, self._model_precision, self._other_priors = {}, {}, {}
+        self._prior_precision = {}
+
+    def _probe_structure(self, model: Callable, args: tuple, kwargs: dict) -> None:
+        """Read the likelihood of one run before a MAP search, so that a model without the
+        GGN's structure is refused (or sent to the exact Hessian) before, not after it."""
+        if self.exact_hessian_reason is not None:
+            return
+        values = {name: site.message["value"] for name, site in self.sites.items()}
+        try:
+            ModelJacobians(model, values)(args, kwargs)
+        except StructureError as error:
+            self._use_exact_hessian(str(error).removeprefix("LaplaceGuide: "))
+
+    def _accumulate(self, model: Callable, batches: DataPass, progress: bool, gradient: bool):
         """The curvature pass at ``self._loc`` (with the log joint's gradient if asked)."""
+        if self.exact_hessian_reason is None:
+            try:
+                self._accumulate_structured(model, batches, progress, gradient)
+                return
+            except StructureError as error:  # learnt from the first batch's likelihood
+                self._use_exact_hessian(str(error).removeprefix("LaplaceGuide: "))
+        self._accumulate_exact(model, batches, progress)
+
+    def _accumulate_structured(self, model, batches, progress, gradient) -> None:
         curvature = self.curvature
         curvature.begin(self._loc)
+        self._prior_precision.update(self._prior_curvature(self._loc))
         log_likelihood, score, num_data, seen, jacobians = self._pass(
             model, batches, self._loc, curvature, gradient, progress
         )
@@ -312,8 +408,52 @@ class LaplaceGuide(AutoGuide):
         self.num_data = num_data
         self._jacobians = jacobians
         for block in self._blocks:
-            block.check_prior(self._prior_precision)
+            try:
+                block.check_prior(self._prior_precision)
+            except ValueError as error:
+                other = next((name for name in block.sites if name in self._other_priors), None)
+                if other is None:
+                    raise
+                fn = self.sites[other].prior_name
+                raise ValueError(
+                    f"{error}. The prior of {other!r} is a {fn}, not a Normal: its curvature "
+                    "differs from entry to entry, which K-FAC cannot hold; use "
+                    "curvature='diag_ggn' or 'full'"
+                ) from None
         self._gradient = None if score is None else self._log_joint_gradient(score, self._loc)
+
+    def _accumulate_exact(self, model, batches, progress) -> None:
+        """The exact Hessian of the log joint at ``self._loc`` (see :mod:`.hessian`)."""
+        log_joint = LogJointPass(model, self.sites, batches)
+        value, grad, hessian = log_joint(self.sites.pack(self._loc), order=2, progress=progress)
+        shapes = {name: site.unconstrained_shape for name, site in self.sites.items()}
+        self._blocks = [HessianBlock(shapes, -hessian)]
+        self._log_likelihood = value  # the whole log joint: the evidence's other terms
+        self.num_data = log_joint.num_data
+        self._jacobians = None
+        self._gradient = self.sites.unpack(grad)
+
+    def _prior_curvature(self, values) -> dict[str, torch.Tensor]:
+        """:math:`-\\partial^2 \\log p / \\partial\\theta^2` entry by entry, for the priors
+        that are not Normal (independent entries: the gradient of the summed first
+        derivatives is the diagonal), checked positive."""
+        curvatures = {}
+        for name, message in self._other_priors.items():
+            x = values[name].detach().requires_grad_()
+            with torch.enable_grad():
+                log_prior = _site_log_density(message, x)
+                (grad,) = torch.autograd.grad(log_prior, x, create_graph=True)
+                (second,) = torch.autograd.grad(grad.sum(), x, allow_unused=True)
+            curvature = torch.zeros_like(x) if second is None else -second.detach()
+            if not bool((curvature > 0).all()):
+                raise ValueError(
+                    f"LaplaceGuide: the log prior of {name!r} ({self.sites[name].prior_name}) "
+                    "is not strictly concave at the fitted point (curvature "
+                    f"{float(curvature.min()):.3g} somewhere), so the Laplace precision is not "
+                    "positive definite there; give the site a log-concave prior"
+                )
+            curvatures[name] = curvature
+        return curvatures
 
     def _pass(self, model, batches, values, curvature, gradient, progress):
         r"""One pass over the data at ``values``.
@@ -330,16 +470,19 @@ class LaplaceGuide(AutoGuide):
         log_likelihood, seen, num_data = 0.0, 0, None
         score = [torch.zeros_like(v) for v in jacobians.values.values()] if gradient else None
         bar = tqdm(
-            batches.one_pass(),
-            total=batches.batches_per_epoch,
+            batches,
+            total=batches.runs,
             desc=f"Laplace {curvature.name}" if curvature else "log joint",
             disable=not progress,
             leave=False,
         )
-        for args, kwargs in bar:
-            batch_log_likelihood, batch_num_data, examples = self._batch(
-                jacobians, args, kwargs, curvature, score
-            )
+        for args, kwargs, context in bar:
+            with context:
+                batch_log_likelihood, batch_num_data, examples = self._batch(
+                    jacobians, args, kwargs, curvature, score
+                )
+            if batches.plate is not None:  # a subsample plate's chunk: the indices not seen
+                examples = batches.plate.kept
             if num_data is not None and batch_num_data != num_data:
                 raise ValueError(
                     f"the observed site's num_data changed between batches ({num_data} then "
@@ -386,18 +529,30 @@ class LaplaceGuide(AutoGuide):
         return log_likelihood.detach(), observation.num_data, observation.num_examples
 
     def _log_joint_gradient(self, score, values) -> dict[str, torch.Tensor]:
-        """The log joint's gradient: the likelihood's plus the normal prior's."""
-        return {
-            name: score[name] - self._model_precision[name] * (value - self._prior_loc[name])
-            for name, value in values.items()
-        }
+        """The log joint's gradient: the likelihood's plus the prior's."""
+        gradient = {}
+        for name, value in values.items():
+            if name in self._other_priors:
+                x = value.detach().requires_grad_()
+                with torch.enable_grad():
+                    log_prior = _site_log_density(self._other_priors[name], x)
+                    (prior_score,) = torch.autograd.grad(log_prior, x)
+                gradient[name] = score[name] + prior_score
+            else:
+                prior_score = self._model_precision[name] * (value - self._prior_loc[name])
+                gradient[name] = score[name] - prior_score
+        return gradient
 
     def _log_prior(self, values) -> torch.Tensor:
-        """The model's normal log prior of ``values``, up to a constant."""
-        return -0.5 * sum(
-            (self._model_precision[name] * (value - self._prior_loc[name]).square()).sum()
-            for name, value in values.items()
-        )
+        """The model's log prior of ``values``; its normal part up to a constant."""
+        total = 0.0
+        for name, value in values.items():
+            if name in self._other_priors:
+                total = total + _site_log_density(self._other_priors[name], value.detach())
+            else:
+                squares = (value - self._prior_loc[name]).square()
+                total = total - 0.5 * (self._model_precision[name] * squares).sum()
+        return total
 
     @property
     def mode_distance(self) -> float | None:
@@ -459,10 +614,8 @@ class LaplaceGuide(AutoGuide):
             lbfgs.zero_grad()
             values = self._whiten(start, offsets)
             detached = {name: value.detach() for name, value in values.items()}
-            log_likelihood, score, *_ = self._pass(model, batches, detached, None, True, False)
-            gradient = self._log_joint_gradient(score, detached)
+            log_joint, gradient = self._log_joint(model, batches, detached)
             torch.autograd.backward(list(values.values()), [-gradient[name] for name in values])
-            log_joint = log_likelihood + self._log_prior(detached)
             # In these coordinates the gradient's norm is the Newton decrement at T = 1.
             # LBFGS stops when the gradient it sees is zero: report zero once it is small.
             squared = sum(offset.grad.square().sum() for offset in offsets.values())
@@ -479,6 +632,16 @@ class LaplaceGuide(AutoGuide):
                 name: value.detach().clone() for name, value in self._whiten(start, offsets).items()
             }
         return passes
+
+    def _log_joint(self, model, batches, values) -> tuple[torch.Tensor, dict]:
+        """The log joint over a pass at unconstrained ``values``, and its gradient."""
+        if self.exact_hessian_reason is not None:
+            value, grad, _ = LogJointPass(model, self.sites, batches)(
+                self.sites.pack(values), order=1
+            )
+            return value, self.sites.unpack(grad)
+        log_likelihood, score, *_ = self._pass(model, batches, values, None, True, False)
+        return log_likelihood + self._log_prior(values), self._log_joint_gradient(score, values)
 
     def _warn_not_a_mode(self, map, tolerance, num_steps, max_passes) -> None:
         norm = math.sqrt(sum(float(g.square().sum()) for g in self._gradient.values()))
@@ -511,18 +674,44 @@ class LaplaceGuide(AutoGuide):
         if self._blocks is None:
             raise RuntimeError("LaplaceGuide: call guide.fit(...) first")
 
+    def _require_structure(self, what: str) -> None:
+        self._check_fitted()
+        if self.exact_hessian_reason is not None:
+            raise ValueError(
+                f"LaplaceGuide: {what} needs the GGN structure of a network's weights, and this "
+                f"fit is the exact Hessian of the model's log joint because "
+                f"{self.exact_hessian_reason}; draw from the posterior with "
+                "Predictive(model, guide=guide) instead"
+            )
+
     # -- the prior precision ---------------------------------------------------------
 
     @property
     def prior_precision(self) -> dict[str, torch.Tensor]:
-        """:math:`\\delta` per site: a 0-dim tensor, or one shaped like the site."""
-        return dict(self._prior_precision)
+        """:math:`\\delta` per site with a Normal prior: a 0-dim tensor, or one shaped like
+        the site. Sites with other priors, and every site of an exact-Hessian fit, take
+        their prior's curvature from the model and have none."""
+        return {name: self._prior_precision[name] for name in self._model_precision}
 
     @prior_precision.setter
     def prior_precision(self, value: PriorPrecision) -> None:
         value = _checked_precision(value)
         precision = dict(self._model_precision)
+        if value is not None and not precision:
+            raise ValueError(
+                "prior_precision: no latent site of this model has a Normal prior with fixed "
+                "parameters whose precision it could set (the model's own priors enter the "
+                f"curvature{': ' + self.exact_hessian_reason if self.exact_hessian_reason else ''}"
+                "); change the priors' scales in the model"
+            )
         if isinstance(value, Mapping):
+            others = [name for name in value if name in self._other_priors]
+            if others:
+                fn = self.sites[others[0]].prior_name
+                raise ValueError(
+                    f"prior_precision names {others[0]!r}, whose prior is a {fn}, not a Normal: "
+                    "its curvature comes from the model; set the Normal sites' precision only"
+                )
             unknown = [name for name in value if name not in precision]
             if unknown:
                 raise ValueError(
@@ -534,7 +723,7 @@ class LaplaceGuide(AutoGuide):
             precision = {name: torch.as_tensor(value) for name in precision}
         checked = {}
         for name, delta in precision.items():
-            like = self._sites[name]["value"]
+            like = self.sites[name].message["value"]
             delta = delta.to(dtype=like.dtype, device=like.device)
             try:
                 fits = torch.broadcast_shapes(delta.shape, like.shape) == like.shape
@@ -552,7 +741,7 @@ class LaplaceGuide(AutoGuide):
             if delta.numel() > 1 and bool((delta == delta.flatten()[0]).all()):
                 delta = delta.flatten()[0]
             checked[name] = delta.detach()
-        self._prior_precision = checked
+        self._prior_precision = {**self._prior_precision, **checked}
 
     # -- the Gaussian ----------------------------------------------------------------
 
@@ -562,8 +751,10 @@ class LaplaceGuide(AutoGuide):
         One joint draw per call, or one per element of the plates around the guide
         (``Predictive(..., parallel=True)`` draws all at once): the standard normal noise
         :math:`z` is an auxiliary site that Pyro broadcasts over them, and each site is
-        the deterministic :math:`\theta_\text{MAP} + \sqrt{T} R z`, whose log density adds
-        :math:`\frac{1}{2} \log\det (P / T)` per block to the noise's.
+        the deterministic :math:`T(\theta_\text{MAP} + \sqrt{T} R z)` (:math:`T` the site's
+        ``biject_to``, the identity on real sites), inside the site's plates, whose log
+        density adds :math:`\frac{1}{2} \log\det (P / T)` per block to the noise's, and the
+        log-Jacobian of a constrained site.
         """
         self._check_fitted()
         like = next(iter(self._loc.values()))
@@ -577,17 +768,19 @@ class LaplaceGuide(AutoGuide):
             for name, part in zip(self._loc, flat.split(sizes, -1))
         }
         draws = self._transform(parts)
+        site_plates = self._create_plates(*args, **kwargs)
         result = {}
         for block in self._blocks:
             size = sum(self._loc[name].numel() for name in block.sites)
             log_det = block.log_det(self._prior_precision) - size * math.log(self.temperature)
             for k, name in enumerate(block.sites):
-                value = draws[name].reshape(plates + self._loc[name].shape)
-                density = 0.5 * log_det if k == 0 else 0.0
-                result[name] = pyro.sample(
-                    name,
-                    dist.Delta(value, log_density=density, event_dim=self._loc[name].dim()),
-                )
+                site = self.sites[name]
+                z = draws[name].reshape(plates + self._loc[name].shape)
+                with ExitStack() as stack:
+                    for frame in site.frames:
+                        stack.enter_context(site_plates[frame.name])
+                    delta = site.delta(z, extra=0.5 * log_det if k == 0 else 0.0)
+                    result[name] = pyro.sample(name, delta)
         return result
 
     def _transform(self, noise: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -608,7 +801,8 @@ class LaplaceGuide(AutoGuide):
         generator: torch.Generator | None = None,
         device: str | torch.device | None = None,
     ) -> dict[str, torch.Tensor]:
-        """``num_samples`` joint draws of every site, shaped ``(num_samples, *shape)``.
+        """``num_samples`` joint draws of every site, shaped ``(num_samples, *shape)``, in
+        the sites' supports.
 
         :param int num_samples: how many.
         :param generator: random generator of the noise.
@@ -641,16 +835,20 @@ class LaplaceGuide(AutoGuide):
             )
             for name, value in self._loc.items()
         }
-        return self._transform(noise)
+        draws, _ = self.sites.constrain(self._transform(noise))
+        return draws
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """:math:`\\theta_\\text{MAP}`, the mean (and median) of every site."""
+        """:math:`\\theta_\\text{MAP}`, the mean (and median) of every site; :math:`T` of it,
+        in the site's support, for a constrained site (as ``AutoLaplaceApproximation``)."""
         self._check_fitted()
-        return {name: value.clone() for name, value in self._loc.items()}
+        values, _ = self.sites.constrain(self._loc)
+        return {name: value.clone() for name, value in values.items()}
 
     def variance(self) -> dict[str, torch.Tensor]:
-        """The marginal variance of every entry, the diagonal of :math:`T P^{-1}`."""
+        """The marginal variance of every entry, the diagonal of :math:`T P^{-1}` (of the
+        unconstrained value, for a constrained site)."""
         self._check_fitted()
         result = {}
         for block in self._blocks:
@@ -660,13 +858,15 @@ class LaplaceGuide(AutoGuide):
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Marginal quantiles of every site, shaped ``(len(quantiles), *shape)``."""
+        """Marginal quantiles of every site, shaped ``(len(quantiles), *shape)``, in the
+        sites' supports."""
         variance = self.variance()
         q = torch.as_tensor(quantiles)
         result = {}
         for name, loc in self._loc.items():
             normal = dist.Normal(loc, variance[name].sqrt())
-            result[name] = normal.icdf(q.to(loc).reshape((-1,) + (1,) * loc.dim()))
+            values = normal.icdf(q.to(loc).reshape((-1,) + (1,) * loc.dim()))
+            result[name] = self.sites[name].transform(values)
         return result
 
     # -- the linearised predictive ---------------------------------------------------
@@ -694,7 +894,7 @@ class LaplaceGuide(AutoGuide):
     def predictive(
         self,
         *args,
-        link: str = "mc",
+        link: str | None = None,
         num_samples: int = 100,
         return_samples: bool = False,
         generator: torch.Generator | None = None,
@@ -710,8 +910,8 @@ class LaplaceGuide(AutoGuide):
         ``"probit"`` and ``"bridge"`` ``C``. DataLoader arguments are concatenated over
         one pass.
 
-        :param str link: ``"mc"`` (joint logit samples, the default), ``"probit"`` or
-            ``"bridge"``.
+        :param str link: ``"mc"`` (joint logit samples), ``"probit"`` or ``"bridge"``;
+            None: :attr:`link` (``"mc"`` unless :meth:`select_link` chose another).
         :param int num_samples: logit draws for ``"mc"``.
         :param bool return_samples: return the per-draw class probabilities
             ``(S, B, C)`` (``"mc"`` only), as :func:`pyro_bdl.predict.predict_proba` does, for the
@@ -719,7 +919,7 @@ class LaplaceGuide(AutoGuide):
         :param generator: random generator for ``"mc"``.
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
-        one_of("link", link, LINKS)
+        link = one_of("link", self.link if link is None else link, LINKS)
         num_samples = integer("num_samples", num_samples, low=1)
         instance("return_samples", return_samples, bool, "True or False")
         if generator is not None:
@@ -751,7 +951,7 @@ class LaplaceGuide(AutoGuide):
         :math:`f_k - f_C`: the softmax is shift invariant, so their Gaussian carries the
         whole MC predictive at one vector-Jacobian product fewer per batch.
         """
-        self._check_fitted()
+        self._require_structure("the linearised (GLM) predictive")
         run = self._jacobians(args, kwargs, output="return")
         output = run.output
         if output.dim() != 2:
@@ -793,9 +993,16 @@ class LaplaceGuide(AutoGuide):
         return self._evidence(self._resolve(prior_precision))
 
     def _evidence(self, delta: dict[str, torch.Tensor]) -> torch.Tensor:
-        # differentiable in delta, which the prior_precision setter would detach
+        # differentiable in delta, which the prior_precision setter would detach. The
+        # priors that are not Normal (none, in an exact-Hessian fit, whose first term is
+        # the whole log joint) add their log density at the mode to the likelihood's.
+        other = {name: self._loc[name] for name in self._other_priors}
         return log_marginal_likelihood(
-            self._log_likelihood, self._blocks, self._loc, self._prior_loc, delta
+            self._log_likelihood + self._log_prior(other),
+            self._blocks,
+            self._loc,
+            self._prior_loc,
+            {**self._prior_precision, **delta},
         )
 
     def optimize_prior_precision(
@@ -853,7 +1060,13 @@ class LaplaceGuide(AutoGuide):
         self._check_fitted()
         one_of("method", method, ("marglik", "gridsearch"))
         one_of("structure", structure, ("scalar", "layer"))
-        sites = list(self._loc)
+        sites = list(self._model_precision)
+        if not sites:
+            raise ValueError(
+                "optimize_prior_precision: no latent site of this model has a Normal prior "
+                "with fixed parameters, so there is no prior precision to tune (the priors' "
+                "curvature comes from the model); tune the prior's scale in the model"
+            )
         if method == "marglik":
             if val_args or val_kwargs:
                 raise ValueError("method='marglik' uses the training data only; drop val_args")
@@ -865,9 +1078,8 @@ class LaplaceGuide(AutoGuide):
                 for group, members in groups.items()
             }
             sizes = {site: value.numel() for site, value in self._loc.items()}
-            self._prior_precision = maximise_evidence(
-                self._evidence, groups, init, num_steps, lr, sizes
-            )
+            tuned = maximise_evidence(self._evidence, groups, init, num_steps, lr, sizes)
+            self._prior_precision = {**self._prior_precision, **tuned}
             return self.prior_precision
         if not val_args and not val_kwargs:
             raise ValueError(
@@ -884,9 +1096,9 @@ class LaplaceGuide(AutoGuide):
             candidates = [{site: value for site in sites} for value in grid]
         else:
             candidates = [
-                {site: value * delta for site, delta in self._prior_precision.items()}
-                for value in grid
+                {site: value * self._prior_precision[site] for site in sites} for value in grid
             ]
+        candidates = [{**self._prior_precision, **candidate} for candidate in candidates]
         nll = self._validation_nll(val_args, val_kwargs, candidates, (link,), num_samples, progress)
         best = candidates[int(nll[:, 0].argmin())]
         self._prior_precision = {site: delta.detach().clone() for site, delta in best.items()}
@@ -905,12 +1117,13 @@ class LaplaceGuide(AutoGuide):
         Each link (see :meth:`predictive`) maps the same Gaussian over the logits to class
         probabilities; which suits a model is an empirical question (Laplace-LoRA found
         ``"mc"`` best for LLMs, the bridge can win for a small, well-fitted network), so
-        answer it on held-out data, not on the test set.
+        answer it on held-out data, not on the test set. The best becomes :attr:`link`,
+        the default of :meth:`predictive` (and is saved with the guide).
 
         Example::
 
             link, scores = guide.select_link(val_loader, num_data)
-            probs = guide.predictive(test_batch, num_data, link=link)
+            probs = guide.predictive(test_batch, num_data)        # with that link
 
         :param val_args: the model's arguments on the validation data (labels observed).
         :param tuple links: the candidates, a subset of ``("mc", "probit", "bridge")``.
@@ -931,7 +1144,8 @@ class LaplaceGuide(AutoGuide):
             val_args, val_kwargs, [self._prior_precision], links, num_samples, progress
         )[0]
         scores = {name: float(value) for name, value in zip(links, nll, strict=True)}
-        return links[int(nll.argmin())], scores
+        self.link = links[int(nll.argmin())]
+        return self.link, scores
 
     def _validation_nll(self, args, kwargs, candidates, links, num_samples, progress):
         """Mean NLL ``(len(candidates), len(links))`` of the linearised predictive.
@@ -977,17 +1191,19 @@ class LaplaceGuide(AutoGuide):
         :param str prefix: the ``prefix`` of the :func:`~pyro_bdl.lift` call.
         """
         instance("prefix", prefix, str, "a string (the prefix given to bdl.lift)")
-        self._check_fitted()
+        self._require_structure("as_prior (a prior for the weights of bdl.lift)")
         blocks = {name: block.restrict(name) for block in self._blocks for name in block.sites}
         loc = {name: value.clone() for name, value in self._loc.items()}
-        return LaplacePrior(loc, blocks, self.prior_precision, self.temperature, prefix)
+        return LaplacePrior(loc, blocks, self._prior_precision, self.temperature, prefix)
 
     def approximation_parameters(self) -> dict[str, torch.Tensor]:
         """The Gaussian's parameters, for ``bdl.to_arviz``.
 
-        Per site ``"<site>.loc"`` (MAP), ``"<site>.scale"`` (marginal standard deviation)
-        and ``"<site>.prior_precision"``, plus the curvature's own tensors (diagonals,
-        Kronecker eigendecompositions, or the dense matrix).
+        Per site ``"<site>.loc"`` (MAP), ``"<site>.scale"`` (marginal standard deviation),
+        both of the unconstrained value for a constrained site, and
+        ``"<site>.prior_precision"`` (where the site has one: its Normal prior's, or a
+        prior's own curvature), plus the curvature's own tensors (diagonals, Kronecker
+        eigendecompositions, or the dense matrix).
         """
         self._check_fitted()
         variance = self.variance()
@@ -995,23 +1211,56 @@ class LaplaceGuide(AutoGuide):
         for name, loc in self._loc.items():
             result[f"{name}.loc"] = loc.clone()
             result[f"{name}.scale"] = variance[name].sqrt()
-            result[f"{name}.prior_precision"] = self._prior_precision[name].clone()
+            if name in self._prior_precision:
+                result[f"{name}.prior_precision"] = self._prior_precision[name].clone()
         for block in self._blocks:
             result.update({key: value.detach().clone() for key, value in block.tensors().items()})
         return result
+
+    # -- saving (see pyro_bdl.inference.guide_state and bdl.save) -----------------------
+
+    _needs_setup = False  # a fitted state restores without the model's prototype
+
+    def _init_settings(self) -> dict:
+        return {"curvature": self.curvature.hyperparameters(), "temperature": self.temperature}
+
+    @classmethod
+    def _from_settings(cls, model, settings: dict) -> LaplaceGuide:
+        curvature = curvature_from_settings(settings["curvature"])
+        return cls(model, curvature, temperature=settings["temperature"])
+
+    def _state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        return laplace_state(self)
+
+    def _restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        restore_laplace(self, state, tensors)
+
+    def _site_shapes(self) -> dict[str, dict] | None:
+        if self._blocks is None:
+            return None  # unfitted: nothing to save, nothing to check a state against
+        return {
+            name: {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+            for name, value in self._loc.items()
+        }
 
     def hyperparameters(self) -> dict:
         """The guide's settings and evidence, JSON-serialisable."""
         self._check_fitted()
         precision = {
             name: float(delta) if delta.numel() == 1 else "per-entry (from the model's prior)"
-            for name, delta in self._prior_precision.items()
+            for name, delta in self.prior_precision.items()
         }
         values = set(precision.values())
+        curvature = self.curvature.hyperparameters()
+        if self.exact_hessian_reason is not None:
+            curvature["fisher"] = "hessian"
+            precision = "from the model (the exact Hessian of its log joint)"
+            values = set()
         return {
             "method": "LaplaceGuide",
-            **self.curvature.hyperparameters(),
+            **curvature,
             "temperature": self.temperature,
+            "link": self.link,
             "num_data": self.num_data,
             "num_params": sum(value.numel() for value in self._loc.values()),
             "prior_precision": values.pop() if len(values) == 1 else precision,
@@ -1061,19 +1310,34 @@ def _link(link, mean, covariance, num_samples, generator, contrasts=True) -> tor
     return laplace_bridge(mean, covariance)
 
 
-def _is_real(support) -> bool:
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support is constraints.real
+def _no_structure(name: str, site, fixed: set[str]) -> str | None:
+    """Why a latent site rules out the GGN and Fisher curvatures, or None."""
+    if not site.is_real:
+        return f"the site {name!r} has the constrained support {site.message['fn'].support}"
+    if name not in fixed:
+        return f"the prior of {name!r} depends on other latent sites (a hierarchical prior)"
+    base = site.message["fn"]
+    while isinstance(base, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+        base = base.base_dist
+    if base.event_shape:
+        return f"the prior of {name!r} ({type(base).__name__}) couples the entries of its event"
+    return None
 
 
-def _normal_prior(name: str, fn, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (loc, scale) of a latent site's independent normal prior, shaped like it."""
-    parameters = normal_parameters(fn, value)
-    if parameters is None:
+def _site_log_density(message: dict, value: torch.Tensor) -> torch.Tensor:
+    """A site's log density at ``value``, scaled and masked as the model has it."""
+    log_prob = message["fn"].log_prob(value)
+    return scale_and_mask(log_prob, message["scale"], message["mask"]).sum()
+
+
+def _check_positive_definite(block: HessianBlock, reason: str) -> None:
+    eigenvalues = torch.linalg.eigvalsh(block.hessian)
+    if not bool(eigenvalues[0] > 0):
         raise ValueError(
-            f"LaplaceGuide: the prior of {name!r} is {type(fn).__name__}; the Laplace prior "
-            "term needs an independent Normal (bdl.priors.IIDNormal, LayerwiseNormal, or "
-            "the as_prior() of a diagonal Laplace guide)"
+            f"LaplaceGuide: the negative Hessian of the log joint at the fitted point is not "
+            f"positive definite (smallest eigenvalue {float(eigenvalues[0]):.3g}), so the point "
+            "is not a mode and there is no Laplace approximation there (the exact Hessian "
+            f"is used because {reason}). Fit the mode with map=True (more num_steps or "
+            "max_passes), or check the posterior has one (a funnel, such as the centred "
+            "eight schools, has none)"
         )
-    return parameters

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
-from pyro_bdl.inference.laplace.observation import Observation
+from pyro_bdl.inference.laplace.observation import Observation, StructureError
 
 __all__ = [
     "ModelJacobians",
@@ -199,7 +199,7 @@ class _RunAt(Messenger):
         self._observation: Observation | None = None
 
     def _pyro_sample(self, msg: dict) -> None:
-        if site_is_subsample(msg):
+        if site_is_subsample(msg) or msg["infer"].get("_deterministic"):
             return
         if msg["name"] in self.values and not msg["is_observed"]:
             msg["value"] = self.values[msg["name"]]
@@ -212,9 +212,9 @@ class _RunAt(Messenger):
         if self._observation is None:
             if len(self.observed) != 1:
                 names = [msg["name"] for msg in self.observed]
-                raise ValueError(
-                    "LaplaceGuide needs a model with exactly one observed site (one "
-                    f"bdl.observe call) besides its latent sites, found {names}"
+                raise StructureError(
+                    "LaplaceGuide's GGN and Fisher curvatures need a model with exactly one "
+                    f"observed site (one bdl.observe call) besides its latent sites, found {names}"
                 )
             self._observation = Observation(self.observed[0])
         return self._observation
@@ -430,8 +430,13 @@ class Linearization:
         factored_sites = self._factored_sites()
         calls = [c for c in self._calls if factored_sites & {c.weight_site, c.bias_site}]
         unverified = [s for s in factored_sites if s not in jacobians.factored_verified]
+        # No argument carries the examples (data in a closure, or indexed by a plate's
+        # subsample): dense gradients come from this run's graph, which must stay.
+        by_graph = not any(tree_flatten(self._split())[0])
         output_grads, references = (
-            self._backward(calls, unverified, columns, keep_graph) if calls else ([], {})
+            self._backward(calls, unverified, columns, keep_graph or by_graph)
+            if calls
+            else ([], {})
         )
         per_site = self._factored(factored_sites, calls, output_grads)
         for site, reference in references.items():
@@ -443,7 +448,9 @@ class Linearization:
             if not ok:
                 del per_site[site]
         dense_sites = [s for s in jacobians.values if s not in per_site]
-        if dense_sites:
+        if dense_sites and by_graph:
+            per_site.update(self._by_graph(dense_sites, columns, keep_graph))
+        elif dense_sites:
             per_site.update(self._dense(dense_sites, columns))
         # The recorded activations are the caller's now (in per_site) or garbage: a run
         # that is still referenced while the next batch runs must not hold them.
@@ -580,6 +587,44 @@ class Linearization:
                 )
                 jacobians._vmap_failed = True
         return self._looped(sites, columns)
+
+    def _by_graph(self, sites, columns, keep_graph) -> dict[str, SiteGradient]:
+        """Per-example gradients through this run's graph: one cotangent per column and
+        example, the column's entries of that example alone (the rows of the Jacobian of
+        the output, whatever the model does with its data)."""
+        jacobians = self._jacobians
+        num_columns, batch = columns.shape[:2]
+        eye = torch.eye(batch, dtype=columns.dtype, device=columns.device)
+        one_example = eye.reshape(1, batch, batch, *(1,) * (columns.dim() - 2))
+        cotangents = (columns.unsqueeze(1) * one_example).flatten(0, 1)
+        leaves = [jacobians.values[s] for s in sites]
+        try:
+            grads = torch.autograd.grad(
+                self.output,
+                leaves,
+                cotangents,
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+        except RuntimeError:  # no batching rule for some backward: one pass per cotangent
+            per_cotangent = [
+                torch.autograd.grad(self.output, leaves, c, retain_graph=True, allow_unused=True)
+                for c in cotangents
+            ]
+            grads = [
+                torch.stack(
+                    [torch.zeros_like(leaf) if g[k] is None else g[k] for g in per_cotangent]
+                )
+                for k, leaf in enumerate(leaves)
+            ]
+        result = {}
+        for site, leaf, grad in zip(sites, leaves, grads):
+            grad = leaf.new_zeros(len(cotangents), *leaf.shape) if grad is None else grad
+            result[site] = DenseGradient(grad.reshape(num_columns, batch, *leaf.shape))
+        if not keep_graph:  # release the run's graph, as the backward passes do
+            self.output = self.output.detach()
+        return result
 
     def _split(self):
         batch = self.batch_size

@@ -14,11 +14,14 @@ columns :math:`V_i` depend only on the likelihood :math:`p(y \mid f)`:
 * ``"mc"``: :math:`V_{i,s} = \nabla_f \log p(\hat y_s \mid f) / \sqrt{S}` with
   :math:`\hat y_s \sim p(y \mid f(x_i))`, the Monte Carlo Fisher, ``S`` columns.
 
-The observed site is the one :func:`pyro_bdl.observe` makes: an ``Independent``
-(possibly around a ``MaskedDistribution``) around a ``Categorical`` or ``Bernoulli``
-with ``logits``, or a ``Normal`` whose scale does not depend on the weights. Its first
-batch dimension is the example; further batch dimensions (tokens) are summed within
-an example, and masked entries (padding) contribute nothing.
+The observed site is the one :func:`pyro_bdl.observe` makes, or any ``pyro.sample(...,
+obs=...)`` of the same families: a ``Categorical`` or ``Bernoulli`` with ``logits``, or a
+``Normal`` whose scale does not depend on the weights, possibly wrapped in
+``Independent`` and masked. Its first batch dimension is the example; further batch
+dimensions (tokens) are summed within an example, and masked entries (padding, the
+site's ``poutine.mask``) contribute nothing. A scale the model puts on the site
+(``poutine.scale``) beyond its plates' :math:`N / B` weights each example's term. A
+model without this structure raises :class:`StructureError`.
 
 ``torch.distributions.Categorical`` stores its logits normalised (minus their
 log-sum-exp). That shift changes neither the GGN (the categorical Hessian annihilates
@@ -34,13 +37,17 @@ import pyro.distributions as dist
 import torch
 from pyro.distributions.torch_distribution import MaskedDistribution
 
-__all__ = ["Observation", "FISHERS"]
+__all__ = ["Observation", "FISHERS", "StructureError"]
 
 FISHERS = ("ggn", "ef", "mc")
 
 # Exact GGN columns are one backward pass each; beyond this many per batch (a language
 # model's vocabulary times its tokens) the Monte Carlo Fisher is the only practical one.
 MAX_GGN_COLUMNS = 1024
+
+
+class StructureError(ValueError):
+    """The model lacks the per-example structure that the GGN and Fisher curvatures need."""
 
 
 class Observation:
@@ -56,9 +63,13 @@ class Observation:
     def __init__(self, site: dict):
         self.name = site["name"]
         base, mask = _unwrap(site["fn"])
+        self.value = site["value"]
+        if not base.batch_shape:  # one observation outside any plate: one example
+            base = base.expand(torch.Size([1]))
+            self.value = self.value.unsqueeze(0)
         family = next((f for cls, f in _FAMILIES.items() if isinstance(base, cls)), None)
         if family is None:
-            raise ValueError(
+            raise StructureError(
                 f"LaplaceGuide: the observed site {self.name!r} has a {type(base).__name__} "
                 "likelihood; supported are Categorical(logits=...), Bernoulli(logits=...) "
                 "and Normal(loc, scale) with a scale that does not depend on the weights"
@@ -66,17 +77,24 @@ class Observation:
         self.family = family
         self.base = base
         self.natural = self.family.natural(base, self.name)
-        self.value = site["value"]
         batch_shape = base.batch_shape
+        if site["mask"] is not None:  # poutine.mask, or the chunks of a subsample plate
+            site_mask = torch.as_tensor(site["mask"], device=self.value.device).bool()
+            mask = site_mask if mask is None else mask & site_mask
         self.mask = None if mask is None else mask.expand(batch_shape)
         self.num_examples = batch_shape[0]
+        subsampled = [f for f in site["cond_indep_stack"] if f.full_size not in (None, f.size)]
         sizes = [frame.full_size for frame in site["cond_indep_stack"] if frame.full_size]
         self.num_data = sizes[0] if sizes else self.num_examples
+        self.scale = _own_scale(site["scale"], subsampled, batch_shape)
         self.is_observed = site["is_observed"]
 
     def log_likelihood(self) -> torch.Tensor:
-        """:math:`\\sum_i \\log p(y_i \\mid f(x_i))` over the batch (unscaled, masked)."""
+        """:math:`\\sum_i \\log p(y_i \\mid f(x_i))` over the batch (masked, weighted by
+        the site's own scale, not by its plates' :math:`N / B`)."""
         log_prob = self.base.log_prob(self.value)
+        if self.scale is not None:
+            log_prob = log_prob * self.scale
         if self.mask is not None:
             log_prob = torch.where(self.mask, log_prob, torch.zeros_like(log_prob))
         return log_prob.sum()
@@ -103,6 +121,8 @@ class Observation:
                 raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
             if self.mask is not None:
                 columns = columns * self.mask.unsqueeze(-1).to(columns.dtype)
+            if self.scale is not None:  # each term weighted: its curvature too
+                columns = columns * self.scale.sqrt().unsqueeze(-1)
             return columns
 
     def _ggn_columns(self, f: torch.Tensor) -> torch.Tensor:
@@ -123,6 +143,15 @@ class Observation:
         return columns.reshape(num_positions * rank, *f.shape)
 
 
+def _own_scale(scale, subsampled, batch_shape) -> torch.Tensor | None:
+    """The site's scale less its subsampled plates' :math:`N / B`: None if it is 1,
+    else a tensor broadcast to the batch shape (the ``poutine.scale`` of the model)."""
+    own = scale / math.prod(f.full_size / f.size for f in subsampled)
+    if not torch.is_tensor(own) and own == 1.0:
+        return None
+    return torch.as_tensor(own).expand(batch_shape)
+
+
 def _unwrap(distribution) -> tuple[dist.TorchDistribution, torch.Tensor | None]:
     mask = None
     while True:
@@ -140,7 +169,7 @@ class _Categorical:
     @staticmethod
     def natural(base, name):
         if base._param is not base.__dict__.get("logits"):
-            raise ValueError(
+            raise StructureError(
                 f"LaplaceGuide: build the likelihood of {name!r} as Categorical(logits=...); "
                 "the curvature is taken with respect to the logits"
             )
@@ -166,7 +195,7 @@ class _Bernoulli:
     @staticmethod
     def natural(base, name):
         if base._param is not base.__dict__.get("logits"):
-            raise ValueError(
+            raise StructureError(
                 f"LaplaceGuide: build the likelihood of {name!r} as Bernoulli(logits=...); "
                 "the curvature is taken with respect to the logits"
             )
@@ -186,7 +215,7 @@ class _Normal:
     @staticmethod
     def natural(base, name):
         if base.scale.requires_grad:
-            raise ValueError(
+            raise StructureError(
                 f"LaplaceGuide: the Normal likelihood of {name!r} has a scale that depends on "
                 "the weights; the GGN needs a fixed observation noise (pass a constant scale)"
             )

@@ -114,8 +114,9 @@ class SGMCMCKernel(MCMCKernel):
     :param callable schedule: ``t -> multiplier`` of the step size, see
         :mod:`~pyro_bdl.inference.sgmcmc.schedules`.
     :param init_params: where the chain starts: None (the module's current weights for
-        sites made by :func:`~pyro_bdl.lift`, the prior mean otherwise), a dict of
-        site values, or a Pyro init strategy such as ``init_to_sample``.
+        sites made by :func:`~pyro_bdl.lift`, a feasible point otherwise, see
+        :func:`~pyro_bdl.init_to_module`), a dict of site values, or a Pyro init
+        strategy such as ``init_to_sample``.
     :param checkpoint: a directory; every kept draw and the chain's state are written
         there, and a run started with the same directory resumes where it stopped.
     :param int checkpoint_every: during warm-up, steps between state checkpoints.

@@ -16,17 +16,16 @@ Minibatch examples see independent perturbations of A through flipout (eq. 12, s
 
 from __future__ import annotations
 
-import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from pyro_bdl._checks import function, instance, real
 from pyro_bdl.inference.vi.flipout import LoRAFlipout
 from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
-from pyro_bdl.lift import LiftedModule, init_to_module
+from pyro_bdl.lift import LiftedModule, init_to_module, recording_calls
 from pyro_bdl.priors import IIDNormal
 
 __all__ = ["BLoBGuide"]
@@ -127,15 +126,24 @@ class BLoBGuide(MeanFieldGuide):
     def _setup_prototype(self, *args, **kwargs) -> None:
         if self._nets:
             super()._setup_prototype(*args, **kwargs)
-            return
-        with _recording_lifted_calls() as called:
-            super()._setup_prototype(*args, **kwargs)
-        if not called:
-            raise TypeError(
-                "BLoBGuide: the model called no network made by bdl.lift; lift the peft model "
-                "(bdl.lift(peft_model, random='lora_A', point='lora_B')) or pass net=<it>"
+        else:
+            with recording_calls() as called:
+                super()._setup_prototype(*args, **kwargs)
+            if not called:
+                raise TypeError(
+                    "BLoBGuide: the model called no network made by bdl.lift; lift the peft "
+                    "model (bdl.lift(peft_model, random='lora_A', point='lora_B')) or pass "
+                    "net=<it>"
+                )
+            self._use(*called)
+        adapters = {site for net in self._nets for site in net.random_sites}
+        others = [name for name in self.sites if name not in adapters]
+        if others:
+            raise ValueError(
+                f"BLoBGuide: the model's latent site {others[0]!r} is not a LoRA A matrix of "
+                "the lifted network; BLoB puts its posterior on LoRA A only (section 3.1): "
+                "make it a point weight (pyro.param), or use MeanFieldGuide for the whole model"
             )
-        self._use(*called)
 
     @property
     def flipout(self) -> bool:
@@ -170,24 +178,6 @@ class BLoBGuide(MeanFieldGuide):
 def _detach_all(flipouts: list[LoRAFlipout]) -> None:
     for flipout in flipouts:
         flipout.detach()
-
-
-@contextlib.contextmanager
-def _recording_lifted_calls() -> Iterator[list[LiftedModule]]:
-    """The lifted networks called inside the context, in the order of their first call."""
-    called: list[LiftedModule] = []
-    call = LiftedModule.__call__
-
-    def recording(net, *args, **kwargs):
-        if not any(net is seen for seen in called):
-            called.append(net)
-        return call(net, *args, **kwargs)
-
-    LiftedModule.__call__ = recording
-    try:
-        yield called
-    finally:
-        LiftedModule.__call__ = call
 
 
 def _check_asymmetric(net: LiftedModule) -> None:

@@ -155,6 +155,7 @@ class BLoBSVI:
         self.kl_cycle: int | None = None
         self._optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None = None
         self._schedulers: list[torch.optim.lr_scheduler.LambdaLR] = []
+        self._pending: list[dict] | None = None  # optimiser states loaded before the first step
 
     def step(self, *args, **kwargs) -> dict[str, torch.Tensor | float]:
         """Take one step on the minibatch that ``args`` and ``kwargs`` hold.
@@ -162,7 +163,7 @@ class BLoBSVI:
         :return: the step's mean NLL and KL (0-d tensors on the model's device: reading
             them, e.g. with ``float()``, waits for the device) and its KL weight.
         """
-        self.guide._require_setup(*args, **kwargs)
+        self.guide._ensure_setup(*args, **kwargs)
         draws, _, _ = self.guide.draw()
         # The first step validates the model's distributions (labels in their support,
         # ...); later steps skip the checks, each a device sync.
@@ -218,6 +219,49 @@ class BLoBSVI:
         ]
         for optimizer in self._optimizers:
             optimizer.zero_grad(set_to_none=True)
+        self._restore_optimizers()
+
+    def state_dict(self) -> dict:
+        """The training state to resume step for step: the step count and both optimisers'.
+
+        The guide holds the variational parameters and the model's point weights (its own
+        ``state_dict``); ``bdl.save(svi, directory)`` writes both.
+        """
+        if self._optimizers is None:
+            optimizers = self._pending
+        else:
+            optimizers = [optimizer.state_dict() for optimizer in self._optimizers]
+        return {"step_count": self.step_count, "optimizers": optimizers}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`; before the first step, the optimisers (made
+        then) take it when they are made."""
+        self.step_count = int(state["step_count"])
+        self._pending = state["optimizers"]
+        if self._optimizers is not None:
+            self._restore_optimizers()
+
+    def _restore_optimizers(self) -> None:
+        if self._pending is None:
+            return
+        for optimizer, saved, scheduler in zip(self._optimizers, self._pending, self._schedulers):
+            optimizer.load_state_dict(saved)  # its learning rate is the saved step's
+            scheduler.last_epoch = self.step_count
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        self._pending = None
+
+    def _init_settings(self) -> dict:
+        # the constructor's arguments, for bdl.save
+        return {
+            "num_steps": self.num_steps,
+            "lr": self.lr,
+            "kl_lr": self.kl_lr,
+            "weight_decay": self.weight_decay,
+            "warmup_ratio": self.warmup_ratio,
+            "kl_weighting": self.kl_weighting,
+            "gamma": self.gamma,
+            "schedule": self.schedule,
+        }
 
     def _schedule(self, step: int) -> float:
         return warmup_schedule(step, self.num_steps, self.warmup_ratio, self.schedule)

@@ -22,6 +22,13 @@ objective's target when
 so that :math:`\lambda (h + \delta) = (N h + \sigma_p^{-2}) / T` is the tempered posterior
 precision: the likelihood's curvature plus the prior's, divided by :math:`T`. Training is
 :class:`~pyro_bdl.inference.IVONSVI` / :func:`~pyro_bdl.inference.fit_ivon`.
+
+A site whose prior is not such a Normal (another distribution, a Normal whose
+parameters are other latent sites, a masked one) or whose support is constrained (the
+Gaussian is then on the unconstrained value :math:`z`, :math:`x = T(z)`, see
+:mod:`pyro_bdl.inference.sites`) has :math:`\delta = 0`: its log prior and the
+log-Jacobian :math:`\log|\partial x / \partial z|` join the likelihood in
+:math:`\bar\ell`, and :math:`h` estimates their curvature with the likelihood's.
 """
 
 from __future__ import annotations
@@ -32,14 +39,12 @@ from collections.abc import Callable
 import pyro
 import torch
 from pyro.distributions import constraints
-from pyro.infer.autoguide.guides import prototype_hide_fn
 from pyro.nn.module import PyroParam
 
 from pyro_bdl import _checks
 from pyro_bdl.inference.log_joint import observed_num_data
 from pyro_bdl.inference.vi.mean_field import MeanFieldGuide
 from pyro_bdl.lift import init_to_module
-from pyro_bdl.priors import normal_parameters
 
 __all__ = ["IVONGuide"]
 
@@ -48,11 +53,15 @@ class IVONGuide(MeanFieldGuide):
     r"""The IVON posterior :math:`\mathcal{N}(m, 1 / (\lambda (h + \delta)))` of every weight.
 
     An :class:`~pyro.infer.autoguide.AutoGuide` over the latent sites of ``model``: weights
-    lifted by :func:`~pyro_bdl.lift` or plain ``pyro.sample`` sites, each with a Normal
-    prior :math:`\mathcal{N}(\mu, \sigma_p^2)` (any of :mod:`pyro_bdl.priors`, or
-    ``dist.Normal``). Every site is sampled at the site itself, so ``Predictive(model,
-    guide=guide)``, :func:`~pyro_bdl.to_arviz` and :func:`~pyro_bdl.predict.predict_proba`
-    work as for :class:`~pyro_bdl.inference.MeanFieldGuide`; ``median()`` is :math:`m`.
+    lifted by :func:`~pyro_bdl.lift` or plain ``pyro.sample`` sites of any shape, in plates
+    of constant size. A Normal prior :math:`\mathcal{N}(\mu, \sigma_p^2)` (any of
+    :mod:`pyro_bdl.priors`, or ``dist.Normal``) with fixed parameters is IVON's weight
+    decay; any other prior, and any support, goes through :math:`\bar\ell` (see the
+    module docstring). Sites are sampled as :class:`~pyro_bdl.inference.MeanFieldGuide`
+    samples them, so ``Predictive(model, guide=guide)``, :func:`~pyro_bdl.to_arviz` and
+    :func:`~pyro_bdl.predict.predict_proba` work as for it; ``median()`` is :math:`T(m)`.
+    A site local to a subsampled plate (one value per example) is refused: IVON's update
+    is global.
 
     The means :math:`m` start where ``init_loc_fn`` puts them (the module's weights for
     lifted sites) and :math:`h` at ``hess_init``. The effective sample size is ``ess``
@@ -128,6 +137,8 @@ class IVONGuide(MeanFieldGuide):
         self._observations, self.point_sites = pyro.poutine.Trace(), []
         try:
             super()._setup_prototype(*args, **kwargs)
+            self.sites.refuse_local("IVON's update is global")
+            self._fixed_priors = self.sites.fixed_priors(self.model, args, kwargs)
             self._read_model(observed_num_data(self._observations))
         except Exception:
             self.prototype_trace = None  # the next call sets up again, not half-way
@@ -142,7 +153,7 @@ class IVONGuide(MeanFieldGuide):
             self.point_sites.append(msg["name"])
         elif msg["type"] == "sample" and msg["is_observed"]:
             self._observations.add_node(msg["name"], **msg)
-        return prototype_hide_fn(msg)
+        return super()._prototype_hide_fn(msg)
 
     def _init_parameters(self, init_locs: dict[str, torch.Tensor]) -> None:
         kinds = {(value.dtype, value.device) for value in init_locs.values()}
@@ -183,10 +194,17 @@ class IVONGuide(MeanFieldGuide):
             self.temperature = self._temperature_arg or 1.0
             self.ess = num_data / self.temperature
         decays, shifts = [], []
+        self.closed_form_priors = set()
         for name, shape in self._shapes.items():
-            decay, mean = _weight_decay(name, self.prototype_trace.nodes[name], num_data)
+            prior = self.sites.normal_prior(name, self._fixed_priors)
+            if prior is None:  # in the loss: decay 0
+                decays.append(self.loc.new_zeros(shape.numel()))
+                shifts.append(self.loc.new_zeros(shape.numel()))
+                continue
+            self.closed_form_priors.add(name)
+            decay = self.sites[name].message["scale"] / (num_data * prior[1].square())
             decays.append(decay.expand(shape).reshape(-1))
-            shifts.append((decay * mean).expand(shape).reshape(-1))
+            shifts.append((decay * prior[0]).expand(shape).reshape(-1))
         # One number when every weight has the same decay (an IID prior), else a vector.
         decay = torch.cat(decays)
         self._delta = decay[0].clone() if bool((decay == decay[0]).all()) else decay
@@ -213,7 +231,8 @@ class IVONGuide(MeanFieldGuide):
 
     @property
     def weight_decay(self) -> dict[str, torch.Tensor]:
-        r"""Each site's :math:`\delta = s / (N \sigma_p^2)` (a 0-d tensor for an IID prior)."""
+        r"""Each site's :math:`\delta = s / (N \sigma_p^2)` (a 0-d tensor for an IID prior;
+        0 for a site whose prior is not a fixed Normal, see the module docstring)."""
         self._require_setup()
         return {name: self._site(self._delta, name) for name in self._shapes}
 
@@ -232,6 +251,28 @@ class IVONGuide(MeanFieldGuide):
             parameters[f"{name}.hess"] = hess.detach().clone()
         return parameters
 
+    def _init_settings(self) -> dict:
+        return {
+            "ess": self._ess_arg,
+            "temperature": self._temperature_arg,
+            "hess_init": self.hess_init,
+            "num_data": self._num_data_arg,
+        }
+
+    def _state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        # read from the model at set-up and kept (see the class docstring)
+        state = {"ess": self.ess, "temperature": self.temperature, "num_data": self.num_data}
+        tensors = {"weight_decay": self._delta}
+        if self._prior_shift is not None:
+            tensors["prior_shift"] = self._prior_shift
+        return state, tensors
+
+    def _restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        self.ess, self.temperature = state["ess"], state["temperature"]
+        self.num_data = state["num_data"]
+        self._delta = tensors["weight_decay"]
+        self._prior_shift = tensors.get("prior_shift")
+
     def hyperparameters(self) -> dict:
         """The guide's settings, JSON-serialisable (for ``bdl.to_arviz``)."""
         if self.ess is None:  # not set up: N, and so ess or T, unknown yet
@@ -247,17 +288,3 @@ class IVONGuide(MeanFieldGuide):
             "hess_init": self.hess_init,
             "num_data": self.num_data,
         }
-
-
-def _weight_decay(name: str, site: dict, num_data: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight decay :math:`s / (N \\sigma_p^2)` and the mean of one site's Normal prior,
-    both shaped like the site."""
-    parameters = normal_parameters(site["fn"], site["value"])
-    if parameters is None:
-        raise ValueError(
-            f"IVONGuide: site {name!r} has the prior {type(site['fn']).__name__}; IVON's weight "
-            "decay is the precision of a Normal prior: give the site a Normal prior "
-            "(bdl.priors.IIDNormal, LayerwiseNormal, or dist.Normal)"
-        )
-    loc, scale = parameters
-    return site["scale"] / (num_data * scale.square()), loc

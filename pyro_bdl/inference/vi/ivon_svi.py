@@ -141,7 +141,7 @@ class IVONSVI:
         return loss
 
     def _setup(self, args: tuple, kwargs: dict) -> None:
-        self.guide._require_setup(*args, **kwargs)
+        self.guide._ensure_setup(*args, **kwargs)
         point = self.guide.point_sites
         if point:
             warnings.warn(
@@ -153,16 +153,47 @@ class IVONSVI:
         self.momentum = torch.zeros_like(self.guide.loc.unconstrained())
         distributed.broadcast_([self.guide.loc.unconstrained(), self.guide.hess.unconstrained()])
 
+    def state_dict(self) -> dict:
+        """The training state (momentum :math:`g` and step count) to resume step for step.
+
+        The guide holds :math:`m` and :math:`h` (its own ``state_dict``); ``bdl.save(svi,
+        directory)`` writes both.
+        """
+        momentum = None if self.momentum is None else self.momentum.detach().clone()
+        return {"step_count": self.step_count, "momentum": momentum}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict` (the momentum on the guide's device)."""
+        momentum = state["momentum"]
+        if momentum is not None and self.guide.prototype_trace is not None:
+            momentum = momentum.to(self.guide.loc.unconstrained())
+        self.momentum, self.step_count = momentum, int(state["step_count"])
+
+    def _init_settings(self) -> dict:
+        # the constructor's arguments, for bdl.save
+        return {
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "mc_samples": self.mc_samples,
+            "clip_radius": self.clip_radius,
+            "schedule": self.schedule,
+        }
+
     def _loss(self, theta: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        """:math:`\\bar\\ell(\\theta)`: minus the likelihood (scaled to N) over N."""
-        with LogJoint(self.guide._unflatten(theta), likelihood_only=True) as likelihood:
+        """:math:`\\bar\\ell(\\theta)`: minus the likelihood (scaled to N) over N, with the
+        log priors that are not IVON's weight decay and the log-Jacobian of constrained
+        sites (see :class:`~pyro_bdl.inference.IVONGuide`)."""
+        guide = self.guide
+        values, log_jacobian = guide.sites.constrain(guide._unflatten(theta))
+        with LogJoint(values, likelihood_only=guide.closed_form_priors) as likelihood:
             self.model(*args, **kwargs)
-        if not torch.is_tensor(likelihood.value):
+        if not likelihood.observed:
             raise ValueError(
                 "IVONSVI: the model observes nothing; IVON trains on a likelihood "
                 "(bdl.observe(name, distribution, obs=labels, num_data=N))"
             )
-        return -likelihood.value / self.guide.num_data
+        return -(likelihood.value + log_jacobian) / guide.num_data
 
     def _update(
         self,

@@ -9,12 +9,21 @@ The variational parameters of all sites live in one flat tensor per dtype and de
 (means, and raw scales), and a draw of every site is one fused expression over it, one
 ``randn`` for all sites: a guide step costs O(parameters) element-wise work whatever the
 number of sites, not a Python loop of small operations per site.
+
+Any latent site of a Pyro model is handled as Pyro's ``AutoNormal`` handles it (see
+:mod:`pyro_bdl.inference.sites`): a site with constrained support, or one the model
+scales or masks, gets its Normal on the unconstrained value at an auxiliary site
+``<name>_unconstrained``, and the site itself the ``Delta`` of :math:`x = T(z)` with the
+log-Jacobian; sites in plates are sampled inside the same plates, and a site local to a
+subsampled plate keeps one Gaussian per example, of which each step uses the plate's
+subsample.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import pyro
@@ -25,8 +34,12 @@ from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.nn.module import PyroModule, PyroParam
+from pyro.ops.tensor_utils import periodic_repeat
+from torch.distributions import kl
 
 from pyro_bdl._checks import function, instance, one_of, real
+from pyro_bdl.inference.guide_state import GuideState
+from pyro_bdl.inference.sites import LatentSites
 from pyro_bdl.inference.vi.normal import VariationalNormal, check_temperature, tempered_kl
 from pyro_bdl.lift import init_to_module
 
@@ -57,7 +70,7 @@ class _Group:
         lead = flat.shape[:-1]
         parts = flat.split(self.sizes, -1)
         return {
-            name: part.view(*lead, *shape)
+            name: part.view(lead + shape)
             for name, part, shape in zip(self.names, parts, self.shapes)
         }
 
@@ -84,7 +97,25 @@ class _DrawnNormal(VariationalNormal):
         return plain.expand(batch_shape, _instance)
 
 
-class MeanFieldGuide(AutoGuide):
+class _TransformedDelta(dist.Delta):
+    r"""The ``Delta`` at :math:`x = T(z)` of a site whose Normal is on :math:`z`.
+
+    Its log density, :math:`T \log|\partial z / \partial x|`, makes the guide's density
+    that of :math:`x`. Pyro computes the KL of a ``Delta`` from a prior as
+    :math:`-\log p(x)`, leaving the log density and the model site's scale out; this class
+    has no KL, so that ``TraceMeanField_ELBO`` scores the site by Monte Carlo, exactly.
+    """
+
+
+# Pyro registers its Delta's KL against Pyro's Distribution mixin: both bases, or the
+# dispatch between the two registrations is ambiguous.
+@kl.register_kl(_TransformedDelta, torch.distributions.Distribution)
+@kl.register_kl(_TransformedDelta, dist.Distribution)
+def _no_closed_form(p, q):
+    raise NotImplementedError
+
+
+class MeanFieldGuide(GuideState, AutoGuide):
     r"""A diagonal Gaussian at every latent site, sampled at the site itself.
 
     .. math::
@@ -104,7 +135,12 @@ class MeanFieldGuide(AutoGuide):
     :class:`~pyro_bdl.inference.vi.normal.VariationalNormal`. ``stick_the_landing`` drops
     the score term of the Monte Carlo entropy (``Trace_ELBO``), Roeder et al. (2017).
 
-    Sites must be global (outside any plate) with real support, as lifted weights are.
+    Any latent site works, as in Pyro's ``AutoNormal``: of any shape, with any support
+    (the Normal is on the unconstrained value :math:`z` of :math:`x = T(z)`, ``median()``
+    and ``quantiles()`` are returned in the site's support), inside plates, local to a
+    subsampled plate, scaled or masked by the model. A real site the model counts once
+    is sampled at the site itself with a closed-form KL; the others through an auxiliary
+    site ``<name>_unconstrained`` (see the module docstring).
 
     **References**
 
@@ -156,12 +192,24 @@ class MeanFieldGuide(AutoGuide):
         # the autograd graph of a whole forward pass, activations included, for good.
         with torch.no_grad():
             super()._setup_prototype(*args, **kwargs)
-        self._event_dims = {}
+        self.sites = LatentSites(self.prototype_trace, type(self).__name__)
+        self._event_dims = {name: site.event_dim for name, site in self.sites.items()}
+        # Sampled through an auxiliary site: a constrained support (a Delta at T(z) carries
+        # the Jacobian), or a model site whose log density the plates alone do not scale
+        # (the closed-form KL would be counted at the guide's scale, not the model's).
+        self._auxiliary = {
+            name for name, site in self.sites.items() if not (site.is_real and site.unscaled)
+        }
+        unconstrained = self.sites.unconstrain(
+            {name: site.message["value"].detach() for name, site in self.sites.items()}
+        )
         init_locs = {}
-        for name, site in self.prototype_trace.iter_stochastic_nodes():
-            _check_site(type(self).__name__, name, site)
-            init_locs[name] = site["value"].detach().clone()
-            self._event_dims[name] = site["fn"].event_dim
+        for name, site in self.sites.items():
+            init_loc = unconstrained[name].clone()
+            for frame in site.subsampled_frames:  # one Gaussian per example of the plate
+                dim = frame.dim - site.event_dim
+                init_loc = periodic_repeat(init_loc, frame.full_size, dim).contiguous()
+            init_locs[name] = init_loc
         self._groups = None
         self._init_parameters(init_locs)
 
@@ -225,9 +273,11 @@ class MeanFieldGuide(AutoGuide):
         return locs, scale_params
 
     def draw(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-        """One draw of every site, fused: per group one ``randn`` and one expression.
+        """One draw of every site's unconstrained value, fused: per group one ``randn``.
 
-        :return: site -> draw, site -> mean, site -> standard deviation (views).
+        :return: site -> draw, site -> mean, site -> standard deviation (views), each of
+            the site's unconstrained shape (every example, for a site local to a
+            subsampled plate).
         """
         if self._groups is None:  # a subclass's own parameters: one draw per site
             locs, scales = self._locs_and_scales()
@@ -252,6 +302,12 @@ class MeanFieldGuide(AutoGuide):
         :param dict priors: site -> its prior (an independent Normal, as ``bdl.lift``
             gives), e.g. the ``fn`` of the model's sample sites.
         """
+        auxiliary = sorted(self._auxiliary)
+        if auxiliary:
+            raise ValueError(
+                f"the site {auxiliary[0]!r} has a constrained support or a scale of its own "
+                "in the model, so its KL has no closed form"
+            )
         total = 0.0
         prior_locs, prior_scales = self._flat_priors(priors)
         for (loc, raw), prior_loc, prior_scale in zip(
@@ -277,7 +333,8 @@ class MeanFieldGuide(AutoGuide):
         return locs, scales
 
     def get_posterior(self, name: str) -> torch.distributions.Distribution:
-        """The variational distribution of one site, ``VariationalNormal(...).to_event()``."""
+        """The variational distribution of one site's unconstrained value,
+        ``VariationalNormal(...).to_event()`` (of the site itself where it has real support)."""
         loc, scale = self._loc_and_scale(name)
         normal = VariationalNormal(loc, scale, self.temperature, self.stick_the_landing)
         return normal.to_event(self._event_dims[name])
@@ -285,31 +342,46 @@ class MeanFieldGuide(AutoGuide):
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Draw every latent site from its Gaussian (used by ``SVI`` and ``Predictive``).
 
-        :return: a dict mapping site name to its draw.
+        :return: a dict mapping site name to its draw, in the site's support.
         """
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
-        if self._groups is None:  # a subclass's own parameters: Pyro samples each site
-            return {name: pyro.sample(name, self.get_posterior(name)) for name in self._event_dims}
+        plates = self._create_plates(*args, **kwargs)
         draws, locs, scales = self.draw()
         result = {}
-        for name, event_dim in self._event_dims.items():
-            normal = _DrawnNormal(
-                locs[name], scales[name], self.temperature, self.stick_the_landing, draws[name]
-            )
-            result[name] = pyro.sample(name, normal.to_event(event_dim))
+        for name, site in self.sites.items():
+            with ExitStack() as stack:
+                loc, scale, draw = locs[name], scales[name], draws[name]
+                for frame in site.frames:
+                    indices = stack.enter_context(plates[frame.name])
+                    if frame in site.subsampled_frames:  # this step's examples
+                        dim = frame.dim - site.event_dim
+                        loc, scale, draw = (
+                            t.index_select(dim, indices) for t in (loc, scale, draw)
+                        )
+                normal = _DrawnNormal(loc, scale, self.temperature, self.stick_the_landing, draw)
+                normal = normal.to_event(site.event_dim)
+                if name not in self._auxiliary:
+                    result[name] = pyro.sample(name, normal)
+                    continue
+                z = pyro.sample(f"{name}_unconstrained", normal, infer={"is_auxiliary": True})
+                result[name] = pyro.sample(
+                    name, site.delta(z, self.temperature, cls=_TransformedDelta)
+                )
         return result
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """The means :math:`m` of every site (the mode and median of a Gaussian)."""
+        """Every site at the mean :math:`m` of its Gaussian, in the site's support (the
+        median of each entry, as Pyro's ``AutoNormal`` returns)."""
         self._require_setup(*args, **kwargs)
         locs, _ = self._locs_and_scales()
-        return {name: loc.detach().clone() for name, loc in locs.items()}
+        values, _ = self.sites.constrain({name: loc.detach() for name, loc in locs.items()})
+        return {name: value.clone() for name, value in values.items()}
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
-        """Elementwise quantiles of every site, shaped ``(len(quantiles), *site_shape)``.
+        """Elementwise quantiles of every site in its support, ``(len(quantiles), *shape)``.
 
         :param quantiles: probabilities in (0, 1), a list or a tensor.
         """
@@ -317,10 +389,10 @@ class MeanFieldGuide(AutoGuide):
         results = {}
         locs, scales = self._locs_and_scales()
         for name, loc in locs.items():
-            scale = scales[name]
             q = torch.as_tensor(quantiles, dtype=loc.dtype, device=loc.device)
             q = q.reshape((-1,) + (1,) * loc.dim())
-            results[name] = torch.distributions.Normal(loc, scale).icdf(q)
+            values = torch.distributions.Normal(loc, scales[name]).icdf(q)
+            results[name] = self.sites[name].transform(values)
         return results
 
     @torch.no_grad()
@@ -338,7 +410,8 @@ class MeanFieldGuide(AutoGuide):
 
     @torch.no_grad()
     def approximation_parameters(self) -> dict[str, torch.Tensor]:
-        """Mean and standard deviation of every site, keys ``"<site>.loc"``, ``"<site>.scale"``."""
+        """Mean and standard deviation of every site, keys ``"<site>.loc"``, ``"<site>.scale"``
+        (of the unconstrained value where the site's support is constrained)."""
         self._require_setup()
         parameters = {}
         locs, scales = self._locs_and_scales()
@@ -357,6 +430,10 @@ class MeanFieldGuide(AutoGuide):
             "stick_the_landing": self.stick_the_landing,
         }
 
+    def _init_settings(self) -> dict:
+        # the constructor's arguments, for bdl.save and load_state_dict (GuideState)
+        return self.hyperparameters()
+
     def _locs_and_scales(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         if self._groups is None:
             pairs = {name: self._loc_and_scale(name) for name in self._event_dims}
@@ -370,6 +447,12 @@ class MeanFieldGuide(AutoGuide):
     def _loc_and_scale(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         locs, scales = self._locs_and_scales()
         return locs[name], scales[name]
+
+    def _ensure_setup(self, *args, **kwargs) -> None:
+        """Read the model on these arguments if the guide has not yet (a training step's
+        first call; a model whose data are in a closure takes none)."""
+        if self.prototype_trace is None:
+            self._setup_prototype(*args, **kwargs)
 
     def _require_setup(self, *args, **kwargs) -> None:
         if self.prototype_trace is None:
@@ -392,22 +475,3 @@ def _normal_parts(name: str, fn, shape: torch.Size) -> tuple[torch.Tensor, torch
             "Normal; this needs a Normal prior (e.g. bdl.priors.IIDNormal)"
         )
     return base.loc.expand(shape).reshape(-1), base.scale.expand(shape).reshape(-1)
-
-
-def _check_site(guide: str, name: str, site: dict) -> None:
-    if any(frame.vectorized for frame in site["cond_indep_stack"]):
-        raise ValueError(
-            f"{guide}: site {name!r} is inside a plate; this guide handles global weights "
-            "only (sites outside any plate, as bdl.lift makes them). If it is a likelihood "
-            "observed without obs, give the guide its first call (or SVI step) with the data: "
-            "the guide's sites are those of that first call"
-        )
-    support = site["fn"].support
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    if support is not constraints.real:
-        raise ValueError(
-            f"{guide}: site {name!r} has support {site['fn'].support}; a Normal guide needs "
-            "real support (lifted weights have it); reparametrise the site or use "
-            "pyro.infer.autoguide.AutoNormal"
-        )

@@ -14,11 +14,8 @@ import pyro_bdl as bdl
 
 
 @pytest.fixture(autouse=True)
-def _float64():
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+def _float64(float64):
     yield
-    torch.set_default_dtype(dtype)
 
 
 @pytest.fixture(autouse=True)

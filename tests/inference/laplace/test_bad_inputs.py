@@ -130,7 +130,7 @@ def test_fit(problem):
 
 PREDICTIVE = [
     ({"link": "softmax"}, ValueError, "link must be one of"),
-    ({"link": None}, ValueError, "link must be one of"),
+    ({"link": 1}, ValueError, "link must be one of"),
     ({"num_samples": 0}, ValueError, "num_samples must be an int >= 1"),
     ({"num_samples": 2.5}, TypeError, "num_samples must be an int"),
     ({"num_samples": True}, TypeError, "num_samples must be"),

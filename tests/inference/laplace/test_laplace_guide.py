@@ -132,19 +132,19 @@ def test_errors_name_the_argument_and_the_fix(helpers, linear_gaussian):
     with pytest.raises(ValueError, match="no value for the latent sites"):
         guide.fit(problem.loader(), problem.num_data, map={}, progress=False)
 
-    def in_plate(batch, num_data):
-        with pyro.plate("units", 3):
-            w = pyro.sample("w", dist.Normal(0.0, 1.0))
-        bdl.observe("y", dist.Normal(batch[0] @ w, 1.0), batch[1], num_data)
+    def local_latent(x):  # one latent per example of a subsampled plate
+        with pyro.plate("units", 30, subsample_size=3) as ind:
+            z = pyro.sample("z", dist.Normal(0.0, 1.0))
+            pyro.sample("y", dist.Normal(z, 1.0), obs=x[ind, 0])
 
-    with pytest.raises(ValueError, match="inside plate 'units'"):
-        LaplaceGuide(in_plate).fit(problem.loader(), problem.num_data, map=False, progress=False)
+    with pytest.raises(ValueError, match="'z' is local to the subsampled plate 'units'"):
+        LaplaceGuide(local_latent, "full").fit(problem.x, map=False, progress=False)
 
-    def laplace_prior(batch, num_data):
+    def laplace_prior(batch, num_data):  # log density -|w|: no curvature at w = 0
         w = pyro.sample("w", dist.Laplace(0.0, 1.0).expand([3]).to_event(1))
         bdl.observe("y", dist.Normal(batch[0] @ w, 1.0), batch[1], num_data)
 
-    with pytest.raises(ValueError, match="independent Normal"):
+    with pytest.raises(ValueError, match="'w' \\(Laplace\\) is not strictly concave"):
         LaplaceGuide(laplace_prior).fit(
             problem.loader(), problem.num_data, map=False, progress=False
         )

@@ -146,7 +146,10 @@ def test_select_link_picks_the_link_with_the_lowest_validation_nll(helpers):
     mc = guide.predictive(val_loader, 60, link="mc", num_samples=20_000, generator=generator)
     assert scores["mc"] == pytest.approx(nll(mc, y_val), abs=0.01)  # Monte Carlo error ~1e-3
     only, _ = guide.select_link(val_loader, 60, links=("bridge",))
-    assert only == "bridge"
+    assert only == "bridge" and guide.link == "bridge"  # the predictive's default now
+    assert torch.equal(
+        guide.predictive(val_loader, 60), guide.predictive(val_loader, 60, link="bridge")
+    )
 
 
 def test_select_link_arguments_are_checked(helpers):

@@ -407,21 +407,13 @@ def test_a_model_without_a_data_plate_needs_num_data():
 def test_model_errors_name_the_site_or_the_fix():
     x, y = _regression()
 
-    def gamma_prior(x, y):
-        scale = pyro.sample("scale", dist.Gamma(2.0, 2.0))
-        with pyro.plate("data", N):
-            pyro.sample("y", dist.Normal(0.0, scale), obs=y)
+    def local_latent(x, y):  # one latent per example, drawn 5 at a time
+        with pyro.plate("data", N, subsample_size=5) as ind:
+            z = pyro.sample("z", _normal(0.0, 1.0))
+            pyro.sample("y", dist.Normal(z, 1.0), obs=y[ind])
 
-    with pytest.raises(ValueError, match="support"):  # MeanFieldGuide's own check
-        IVONGuide(gamma_prior)(x, y)
-
-    def laplace_prior(x, y):
-        w = pyro.sample("w", dist.Laplace(torch.tensor(0.0, **F64), 1.0).expand([D]).to_event(1))
-        with pyro.plate("data", N):
-            pyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
-
-    guide = IVONGuide(laplace_prior)
-    with pytest.raises(ValueError, match="site 'w' has the prior Independent"):
+    guide = IVONGuide(local_latent)
+    with pytest.raises(ValueError, match="'z' is local to the subsampled plate 'data'"):
         guide(x, y)
     assert guide.prototype_trace is None  # not left half set up
 

@@ -178,18 +178,16 @@ def test_median_quantiles_predictive_and_arviz_interface():
 
 
 def test_unsupported_sites_and_arguments_are_errors_naming_the_fix():
-    def positive_site():
-        pyro.sample("s", dist.HalfNormal(torch.ones(2)).to_event(1))
+    def discrete_site():
+        pyro.sample("k", dist.Categorical(torch.ones(3)))
 
-    with pytest.raises(ValueError, match="real support"):
-        MeanFieldGuide(positive_site)()
+    with pytest.raises(ValueError, match="discrete sample site 'k'"):  # Pyro's own message
+        MeanFieldGuide(discrete_site)()
 
     def local_site():
         with pyro.plate("n", 3):
             pyro.sample("z", dist.Normal(0.0, 1.0))
 
-    with pytest.raises(ValueError, match="inside a plate"):
-        MeanFieldGuide(local_site)()
     with pytest.raises(ValueError, match="scale_parametrization"):
         MeanFieldGuide(local_site, scale_parametrization="log")
     with pytest.raises(ValueError, match="init_scale"):

@@ -1,0 +1,181 @@
+"""A fitted Laplace approximation as JSON and tensors, and back (see :mod:`..guide_state`).
+
+The state is what :meth:`~.guide.LaplaceGuide.fit` and prior tuning leave: the MAP, the
+prior precision :math:`\\delta` and the model's normal prior (mean and precision), the
+log likelihood and gradient at the MAP (evidence, :attr:`mode_distance`), and the
+curvature blocks in the form their questions are answered from: a diagonal, a dense
+matrix, or a Kronecker block's two eigendecompositions. A K-FAC factor is saved as its
+eigendecomposition (a sketched one as its rank-``k`` part), never as a ``d x d``
+Kronecker product, and a factor that several layers share (LoRA's query and value A
+read one input) is saved once and shared again when loaded.
+
+A prior's mean and precision broadcast over the site (an IID prior is one number
+expanded); they are saved unexpanded. A site whose prior is not a Normal has no prior
+mean: its prior precision is the prior's own curvature at the MAP. An exact-Hessian fit
+(a model without the GGN's structure) keeps the Hessian, no prior precision, and why;
+its sites' transforms come from the model's trace, so it loads into a guide that has
+run its model (``bdl.load`` runs it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pyro_bdl.inference.laplace.curvature import (
+    Curvature,
+    Diagonal,
+    DiagonalBlock,
+    Full,
+    FullBlock,
+    Kron,
+    KronBlock,
+    KronLowRank,
+)
+from pyro_bdl.inference.laplace.curvature.factors import Eigen
+from pyro_bdl.inference.laplace.hessian import HessianBlock
+from pyro_bdl.inference.laplace.jacobians import ModelJacobians
+from pyro_bdl.inference.sites import LatentSites
+
+__all__ = ["laplace_state", "restore_laplace", "curvature_from_settings"]
+
+
+def laplace_state(guide) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The JSON and tensors of a fitted :class:`~.guide.LaplaceGuide` (empty if unfitted)."""
+    if guide._blocks is None:
+        return {"fitted": False}, {}
+    tensors = {"log_likelihood": torch.as_tensor(guide._log_likelihood).detach()}
+    for name, loc in guide._loc.items():
+        tensors[f"loc/{name}"] = loc
+        if name in guide._prior_precision:
+            tensors[f"prior_precision/{name}"] = guide._prior_precision[name]
+        if name in guide._model_precision:
+            tensors[f"model_precision/{name}"] = _unexpanded(guide._model_precision[name])
+            tensors[f"prior_loc/{name}"] = _unexpanded(guide._prior_loc[name])
+        if guide._gradient is not None:
+            tensors[f"gradient/{name}"] = guide._gradient[name]
+    factors: dict[int, int] = {}
+    blocks = [_block_state(i, block, tensors, factors) for i, block in enumerate(guide._blocks)]
+    state = {
+        "fitted": True,
+        "link": guide.link,
+        "num_data": guide.num_data,
+        "sites": list(guide._loc),
+        "gradient": guide._gradient is not None,
+        "blocks": blocks,
+        "exact_hessian_reason": guide.exact_hessian_reason,
+        "all_real": guide.sites.all_real,
+    }
+    return state, tensors
+
+
+def restore_laplace(guide, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Set a :class:`~.guide.LaplaceGuide` to the state :func:`laplace_state` gave."""
+    if not state.get("fitted"):
+        return
+    loc = {name: tensors[f"loc/{name}"] for name in state["sites"]}
+    reason = state.get("exact_hessian_reason")
+    if guide.prototype_trace is None:  # a bare torch load: the sites from the state
+        if reason is not None or not state.get("all_real", True):
+            raise RuntimeError(
+                "LaplaceGuide.load_state_dict: this fit's sites have constrained supports "
+                "or it is an exact-Hessian fit, whose transforms come from the model: call "
+                "the guide once with the model's arguments before loading, or use bdl.load"
+            )
+        guide.sites = LatentSites.real(loc, "LaplaceGuide")
+    guide.exact_hessian_reason = reason
+    guide._loc = loc
+    guide._prior_precision = {
+        name: tensors[f"prior_precision/{name}"]
+        for name in loc
+        if f"prior_precision/{name}" in tensors
+    }
+    normal = [name for name in loc if f"model_precision/{name}" in tensors]
+    guide._model_precision = {
+        name: tensors[f"model_precision/{name}"].expand(loc[name].shape) for name in normal
+    }
+    guide._prior_loc = {
+        name: tensors[f"prior_loc/{name}"].expand(loc[name].shape) for name in normal
+    }
+    guide._gradient = (
+        {name: tensors[f"gradient/{name}"] for name in loc} if state["gradient"] else None
+    )
+    guide._log_likelihood = tensors["log_likelihood"]
+    guide.num_data, guide.link = state["num_data"], state["link"]
+    factors: dict[int, Eigen] = {}
+    guide._blocks = [
+        _make_block(i, entry, tensors, factors) for i, entry in enumerate(state["blocks"])
+    ]
+    guide._jacobians = None if reason else ModelJacobians(guide._laplace_model[0], loc)
+
+
+def _block_state(index: int, block, tensors: dict, factors: dict[int, int]) -> dict:
+    """Describe one block, adding its tensors (a shared K-FAC factor once)."""
+    if isinstance(block, DiagonalBlock):
+        tensors[f"block/{index}/diagonal"] = block.curvature
+        return {"type": "diagonal", "site": block.site}
+    if isinstance(block, HessianBlock):
+        tensors[f"block/{index}/hessian"] = block.hessian
+        return {"type": "hessian", "shapes": [[site, list(s)] for site, s in block.shapes.items()]}
+    if isinstance(block, FullBlock):
+        tensors[f"block/{index}/matrix"] = block.curvature
+        return {"type": "full", "shapes": [[site, list(s)] for site, s in block.shapes.items()]}
+    if isinstance(block, KronBlock):
+        ids = []
+        for factor in (block.input_factor, block.output_factor):
+            if id(factor) not in factors:
+                number = factors[id(factor)] = len(factors)
+                tensors[f"factor/{number}/vectors"] = factor.vectors
+                tensors[f"factor/{number}/values"] = factor.values
+            ids.append(factors[id(factor)])
+        return {
+            "type": "kron",
+            "site": block.site,
+            "shape": list(block.shape),
+            "input": ids[0],
+            "output": ids[1],
+        }
+    raise NotImplementedError(
+        f"a Laplace block of type {type(block).__name__} cannot be saved; the diagonal, "
+        "K-FAC and dense structures can"
+    )
+
+
+def _make_block(index: int, entry: dict, tensors: dict, factors: dict[int, Eigen]):
+    """The block :func:`_block_state` described (shared factors shared again)."""
+    if entry["type"] == "diagonal":
+        return DiagonalBlock(entry["site"], tensors[f"block/{index}/diagonal"])
+    if entry["type"] in ("full", "hessian"):
+        shapes = {site: torch.Size(shape) for site, shape in entry["shapes"]}
+        if entry["type"] == "hessian":
+            return HessianBlock(shapes, tensors[f"block/{index}/hessian"])
+        return FullBlock(shapes, tensors[f"block/{index}/matrix"])
+    eigens = []
+    for number in (entry["input"], entry["output"]):
+        if number not in factors:
+            vectors, values = (
+                tensors[f"factor/{number}/vectors"],
+                tensors[f"factor/{number}/values"],
+            )
+            factors[number] = Eigen(vectors=vectors, values=values)
+        eigens.append(factors[number])
+    return KronBlock(entry["site"], *eigens, shape=entry["shape"])
+
+
+def _unexpanded(value: torch.Tensor) -> torch.Tensor:
+    """The tensor a broadcast view (stride 0) was expanded from, with size 1 there."""
+    index = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in value.stride())
+    return value[index]
+
+
+def curvature_from_settings(settings: dict) -> Curvature:
+    """The :class:`Curvature` whose ``hyperparameters()`` are ``settings``."""
+    name, fisher, samples = settings["curvature"], settings["fisher"], settings["fisher_samples"]
+    if name in ("diag_ggn", "diag_ef"):
+        return Diagonal(fisher=fisher, num_samples=samples)
+    if name == "kron":
+        return Kron(fisher, samples, max_dense=settings["max_dense"], rank=settings["rank"])
+    if name == "kron_lowrank":
+        return KronLowRank(settings["rank"], fisher, samples)
+    if name == "full":
+        return Full(fisher, samples, max_params=settings["max_params"])
+    raise ValueError(f"unknown curvature {name!r}; this pyro_bdl knows diag_*, kron*, full")
