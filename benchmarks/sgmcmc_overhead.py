@@ -245,7 +245,9 @@ def print_adapted(label: str, medians: dict) -> None:
 
 def reference_models():
     """``tests/inference/sgmcmc/reference_models.py``, the models of issue 22."""
-    path = Path(__file__).resolve().parents[1] / "tests/inference/sgmcmc/reference_models.py"
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    sys.path.insert(0, str(tests))  # for the models of tests/pyro_models.py it reuses
+    path = tests / "inference/sgmcmc/reference_models.py"
     spec = importlib.util.spec_from_file_location("reference_models", path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -270,6 +272,7 @@ def print_ess() -> None:
     from pyro.infer import NUTS
     from pyro.infer.autoguide.initialization import init_to_median
 
+    torch.set_default_dtype(torch.float64)  # as the NUTS references
     models = reference_models()
     print("| model | sampler | draws (warm-up) | min bulk ESS | seconds | ESS / s |")
     print("|---|---|---|---|---|---|")

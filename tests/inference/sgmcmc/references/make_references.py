@@ -37,6 +37,7 @@ SETTINGS = {
 
 
 def load_models():
+    sys.path.insert(0, str(HERE.parents[2]))  # tests/, for tests/pyro_models.py
     spec = importlib.util.spec_from_file_location(
         "reference_models", HERE.parent / "reference_models.py"
     )
