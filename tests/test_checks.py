@@ -61,3 +61,16 @@ def test_probability_and_choices_and_types():
         checks.function("model", 3, "a callable Pyro model")
     with pytest.raises(TypeError, match="seed must be an int, got the bool True"):
         checks.instance("seed", True, int, "an int")
+
+
+def test_site_keys_lists_the_unknown_keys_the_closest_sites_and_the_sites():
+    checks.site_keys("init_params", {"w": 0, "b": 1}, ["w", "b", "s"])
+    with pytest.raises(ValueError) as info:
+        checks.site_keys("init_params", ["ww", "zzz"], ["w", "b"])
+    assert str(info.value) == (
+        "init_params: unknown sites ['ww', 'zzz'] (did you mean 'w' for 'ww'?); the model's "
+        "sites are ['w', 'b']"
+    )
+    sites = [f"layer{i}.weight" for i in range(20)]
+    with pytest.raises(ValueError, match=r"'layer7.weight', \.\.\.\] \(20 in all\)"):
+        checks.site_keys("fixed(values)", ["layer1.wieght"], sites)

@@ -104,7 +104,10 @@ def test_fixed_runs_any_method_with_one_draw_and_restores_the_weights():
     net = bdl.lift(module, random="2.", frozen="0.")
     draw = {"2.weight": torch.ones(2, 4), "2.bias": torch.zeros(2), "unrelated": torch.ones(1)}
     x = torch.randn(3, 3)
-    with net.fixed(draw):
+    with pytest.raises(ValueError, match="fixed\\(values\\): unknown site 'unrelated'"):
+        with net.fixed(draw):
+            pass
+    with net.fixed(draw, strict=False):
         hidden = torch.tanh(module[0](x))
         assert torch.allclose(module(x), hidden.sum(-1, keepdim=True).expand(3, 2))
         trace = pyro.poutine.trace(net).get_trace(x)

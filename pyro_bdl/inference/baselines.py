@@ -393,7 +393,7 @@ def ivon(
     ess: float | None = None,
     hess_init: float = 1.0,
     beta1: float = 0.9,
-    beta2: float = 0.99999,
+    beta2: float | None = None,
     mc_samples: int = 1,
     clip_radius: float = math.inf,
     prior_std: float | None = 0.2,
@@ -409,14 +409,16 @@ def ivon(
     module's weights, :math:`h` at ``hess_init``, the weight decay from the prior
     :math:`\mathcal{N}(0, \sigma_p^2)`. IVON trains the random weights only: lift every
     LoRA weight random (Cong et al. put the posterior on A and B); point weights keep
-    their values (with a warning). Defaults are ``ivon-opt``'s; the learning rate follows
-    the recipe's ``schedule`` (warm-up, then linear decay or constant), as every method's.
+    their values (with a warning). Defaults are :func:`~pyro_bdl.inference.fit_ivon`'s
+    (:math:`\beta_2 = 1 - 5 / T` over the run's :math:`T` steps, so that :math:`h` forgets
+    ``hess_init``), ``ivon-opt``'s otherwise; the learning rate follows the recipe's
+    ``schedule`` (warm-up, then linear decay or constant), as every method's.
 
     :param float ess: the effective sample size :math:`\lambda` (default :math:`N`, the
         posterior).
     :param float hess_init: where the Hessian estimate :math:`h` starts.
     :param float beta1: the momentum's decay.
-    :param float beta2: the Hessian estimate's decay.
+    :param float beta2: the Hessian estimate's decay (default: ``fit_ivon``'s choice).
     :param int mc_samples: weight draws per training step.
     :param float clip_radius: the clip of the preconditioned update.
     :param float prior_std: :math:`\sigma_p` of the fit (None keeps the network's prior).

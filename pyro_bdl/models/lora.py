@@ -9,8 +9,10 @@ gradient, so a large base costs its forward and backward pass and nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -547,8 +549,49 @@ def _load(
         loading["device_map"] = device_map
     if task == "classification":
         loading["num_labels"] = 2 if num_labels is None else num_labels
-    model = _ARCHITECTURES[architecture][0].from_pretrained(path, **loading)
+    with _transformers_quiet():
+        model, info = _ARCHITECTURES[architecture][0].from_pretrained(
+            path, output_loading_info=True, **loading
+        )
+    _warn_unexpected_loading(model, architecture, path, info)
     return model, architecture, path
+
+
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """Loading without transformers' load report and progress bar: the report's only
+    news for a new head is its missing weights, which are expected;
+    :func:`_warn_unexpected_loading` says anything else."""
+    from transformers.utils import logging
+
+    level, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bar:
+            logging.enable_progress_bar()
+
+
+def _warn_unexpected_loading(
+    model: PreTrainedModel, architecture: str, path: Path, info: dict
+) -> None:
+    """Warn about the load report's news other than a new head's missing weights."""
+    head = _head_name(model, architecture) if architecture != "causal_lm" else None
+    missing = [
+        key for key in info.get("missing_keys", ()) if head is None or key.split(".")[0] != head
+    ]
+    news = {"missing": missing, "unexpected": list(info.get("unexpected_keys", ()))}
+    news = {kind: keys for kind, keys in news.items() if keys}
+    if news:
+        listed = "; ".join(f"{kind}: {sorted(keys)[:5]}" for kind, keys in news.items())
+        warnings.warn(
+            f"lora_model: loading {path} left weights that are not the new head's ({listed}); "
+            "check that the directory holds the model you meant",
+            stacklevel=3,
+        )
 
 
 def _is_checkpointing(model: PreTrainedModel) -> bool:
@@ -590,7 +633,10 @@ def _add_adapters(
         modules_to_save=modules_to_save,
         task_type="CAUSAL_LM" if architecture == "causal_lm" else None,
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads transformers 5's deprecated is_gradient_checkpointing alias
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        return get_peft_model(model, config)
 
 
 def _lift_adapters(
@@ -608,4 +654,6 @@ def _lift_adapters(
         )
     random = adapters + (head_weights if head == "random" else [])
     point = point_adapters + (head_weights if head == "point" else [])
-    return lift(peft_model, prior, random=random, point=point or None)
+    net = lift(peft_model, prior, random=random, point=point or None)
+    net.made_by = "lora_model"  # errors then advise in lora_model's arguments
+    return net

@@ -60,13 +60,18 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
             scores = info["validation_nll"]  # the link is the best on validation data
             assert set(scores) == {"mc", "probit", "bridge"}
             assert info["link"] == min(scores, key=scores.get)
+        (ivon,) = results["ivon"][dataset]["IVON"].values()  # chosen on validation data
+        scores = ivon["validation_nll"]
+        assert len(scores) == len(QUICK_METHOD["ivon_choices"])
+        best = f"prior_std={ivon['prior_std']:g}, T={ivon['temperature']:g}"
+        assert best == min(scores, key=scores.get)
         (blob,) = results["blob"][dataset]["BLoB"].values()
         assert 0 < blob["scales"]["mean"] <= blob["scales"]["max"]
         assert (tmp_path / f"calibration_{dataset}.png").read_bytes()[:8] == PNG_MAGIC
     table = (tmp_path / "calibration.md").read_text()
     assert "### ECE" in table and "| BLoB (N=0) |" in table and "laplace-torch" in table
     assert "| dataset | train | validation | test | batch_size | steps |" in table
-    assert "### Against MAP" in table
+    assert "### Against MAP" in table and "### IVON: what the recipe chose" in table
 
     # Every cell is cached: a second run recomputes nothing and reports the same numbers.
     cells = sorted((tmp_path / "cells").glob("*.json"))

@@ -5,7 +5,7 @@ from peft import PeftModel
 from pyro.infer import MCMC
 from transformers import AutoModelForSequenceClassification
 
-from pyro_bdl.inference import SGHMC, fit_map
+from pyro_bdl.inference import SGHMC, BLoBGuide, fit_map
 from pyro_bdl.inference.log_joint import LogJoint
 from pyro_bdl.models import lora_model
 
@@ -282,3 +282,28 @@ def test_a_peft_model_is_not_a_base(tiny_llama):
     lora = lora_model(tiny_llama(), "causal_lm")
     with pytest.raises(TypeError, match="already a peft model"):
         lora_model(lora.peft_model, "causal_lm")
+
+
+def test_a_new_head_loads_without_a_report_or_a_deprecation_warning(minilm, capfd, recwarn):
+    """transformers' load report lists the new head's missing weights, which are expected,
+    and peft reads a deprecated transformers alias: neither reaches the user."""
+    lora_model(minilm, "classification", num_labels=2)
+    captured = capfd.readouterr()
+    assert "LOAD REPORT" not in captured.err + captured.out
+    assert "Loading weights" not in captured.err
+    assert not [w for w in recwarn if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_blob_on_a_lora_model_advises_in_lora_models_arguments(minilm):
+    """BLoB needs the head a point weight: lora_model's users are told head='point', not
+    the lift() selectors they never wrote."""
+    lora = lora_model(minilm, "classification", num_labels=2, adapters_random="A")
+    batch = _classification_batch(lora.tokenizer)
+    with pytest.raises(
+        ValueError, match=r"lora_model\(\.\.\., adapters_random='A', head='point'\)"
+    ):
+        BLoBGuide(lora.model)(batch, 100)
+    point_head = lora_model(
+        minilm, "classification", num_labels=2, adapters_random="A", head="point"
+    )
+    BLoBGuide(point_head.model)(batch, 100)  # BLoB's layout: no error

@@ -38,7 +38,7 @@ from pyro.infer.autoguide.initialization import InitMessenger
 from tqdm.auto import tqdm
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import function, instance, integer, one_of, real
+from pyro_bdl._checks import function, instance, integer, one_of, real, site_keys
 from pyro_bdl._draws import kept_draws
 from pyro_bdl.inference.guide_state import GuideState, dtype_name
 from pyro_bdl.inference.laplace.curvature import Curvature, Full, make_curvature
@@ -274,6 +274,7 @@ class LaplaceGuide(GuideState, AutoGuide):
             distance = self._mode_distance()
         if check and distance > mode_tolerance:
             self._warn_not_a_mode(map, mode_tolerance, num_steps, max_passes)
+        _warn_if_adapters_untrained(self._loc)
         if self.exact_hessian_reason is not None:
             _check_positive_definite(self._blocks[0], self.exact_hessian_reason)
         return self
@@ -289,15 +290,10 @@ class LaplaceGuide(GuideState, AutoGuide):
 
     def _checked_values(self, values: Mapping) -> dict[str, torch.Tensor]:
         """``fit(map=values)``: one finite tensor per latent site, of the site's shape."""
+        site_keys("fit(map=...)", values, self.sites, "the model's latent sites")
         missing = [name for name in self.sites if name not in values]
         if missing:
             raise ValueError(f"fit(map=...): no value for the latent sites {missing[:5]}")
-        unknown = [name for name in values if name not in self.sites]
-        if unknown:
-            raise ValueError(
-                f"fit(map=...): {unknown[:5]} are not latent sites of the model; its latent "
-                f"sites are {list(self.sites)[:5]}"
-            )
         checked = {}
         for name, site in self.sites.items():
             like = site.message["value"]
@@ -712,12 +708,7 @@ class LaplaceGuide(GuideState, AutoGuide):
                     f"prior_precision names {others[0]!r}, whose prior is a {fn}, not a Normal: "
                     "its curvature comes from the model; set the Normal sites' precision only"
                 )
-            unknown = [name for name in value if name not in precision]
-            if unknown:
-                raise ValueError(
-                    f"prior_precision names unknown sites {unknown[:5]}; the latent sites are "
-                    f"{list(precision)[:5]}"
-                )
+            site_keys("prior_precision", value, precision, "the model's latent sites")
             precision.update({name: torch.as_tensor(v) for name, v in value.items()})
         elif value is not None:
             precision = {name: torch.as_tensor(value) for name in precision}
@@ -1266,6 +1257,28 @@ class LaplaceGuide(GuideState, AutoGuide):
             "prior_precision": values.pop() if len(values) == 1 else precision,
             "log_marginal_likelihood": float(self.log_marginal_likelihood().detach()),
         }
+
+
+def _warn_if_adapters_untrained(values: Mapping[str, torch.Tensor]) -> None:
+    """Warn when every LoRA pair among the sites has the update ``B @ A = 0``: the adapters
+    of a fresh LoRA model (``B = 0``), or the ``A = B = 0`` mode that a MAP search from
+    there falls into. The approximation is then of the pretrained network, whose new head
+    predicts about the same for every input: a silent no-op."""
+    updates = [
+        values[name.replace("lora_A", "lora_B")] @ value
+        for name, value in values.items()
+        if "lora_A" in name and name.replace("lora_A", "lora_B") in values and value.dim() == 2
+    ]
+    # A fine-tuned adapter's update is 1e-4 to 1e-1 per entry; these are 0 or ~1e-14.
+    if updates and all(float(update.abs().max()) < 1e-8 for update in updates):
+        warnings.warn(
+            f"LaplaceGuide.fit: the LoRA adapters are still at their initialisation (B @ A = 0 "
+            f"in all {len(updates)} adapted layers), so this is the Laplace approximation of the "
+            "pretrained network, which predicts about the same for every input. Fine-tune "
+            "first (e.g. pyro_bdl.inference.baselines.map_estimate), then fit(..., map=False) "
+            "at the fine-tuned weights (or map=<their values>)",
+            stacklevel=3,
+        )
 
 
 def _checked_precision(value: PriorPrecision) -> PriorPrecision:

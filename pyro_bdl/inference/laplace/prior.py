@@ -21,11 +21,13 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 
+from pyro_bdl._checks import site_keys
 from pyro_bdl.inference.laplace.curvature.base import GaussianBlock
 from pyro_bdl.inference.laplace.curvature.diagonal import DiagonalBlock
 
@@ -108,6 +110,21 @@ class LaplacePrior:
         self.delta = delta
         self.temperature = temperature
         self.prefix = prefix
+
+    def check_names(self, names: Sequence[str]) -> None:
+        """Refuse a lift whose random weights, with this prior's ``prefix``, are not the
+        posterior's sites (:func:`~pyro_bdl.lift` calls it): part of the posterior would
+        be silently unused, or a weight would have no prior."""
+        sites = [self.prefix + name for name in names]
+        what = "the sites of the lifted random weights under this prefix"
+        site_keys(f"as_prior(prefix={self.prefix!r})", self.loc, sites, what)
+        missing = [site for site in sites if site not in self.loc]
+        if missing:
+            raise ValueError(
+                f"as_prior(prefix={self.prefix!r}): the posterior has no value for the lifted "
+                f"sites {missing[:5]}; it covers {list(self.loc)[:5]}: lift the same tensors, "
+                "with the same prefix, as when the posterior was fitted"
+            )
 
     def distribution(self, name: str, param: torch.Tensor) -> dist.TorchDistribution:
         site = self.prefix + name

@@ -48,7 +48,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import function, instance, integer, real
+from pyro_bdl._checks import function, instance, integer, real, site_keys
 from pyro_bdl._draws import copied_to
 from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
@@ -177,6 +177,8 @@ class SGMCMCKernel(MCMCKernel):
         self._initial_params = None
         self._initial_params_given = False
         self._chain_id: int | None = None  # set by Chains; else the chain MCMC starts
+        # what setup sets per chain; cleanup after a setup that failed finds no chain
+        self._store, self._chain_checked = None, True
 
     # -- hyperparameters -------------------------------------------------------------
 
@@ -217,6 +219,8 @@ class SGMCMCKernel(MCMCKernel):
         }
         if not self._sites:
             raise ValueError("the model has no latent sample sites for the kernel to sample")
+        if isinstance(self.init_params, Mapping):
+            site_keys("init_params", self.init_params, self._sites, "the model's latent sites")
         for name, site in self._sites.items():
             if site["fn"].support.is_discrete:
                 raise ValueError(
@@ -322,6 +326,12 @@ class SGMCMCKernel(MCMCKernel):
 
     def diagnostics(self) -> dict:
         # Pyro asks once, when the chain has finished: the time to judge its equilibrium.
+        if self._iteration <= self._warmup_steps:  # the earliest a kernel can tell
+            raise ValueError(
+                "num_samples=0: MCMC kept no draw after its warm-up, and pyro.infer.MCMC "
+                "cannot return zero draws; pass num_samples >= 1 (num_samples=1 keeps the "
+                "state the warm-up ends at)"
+            )
         self._check_chain()
         return {"sample_stats": {key: list(values) for key, values in self._stats.items()}}
 
@@ -960,6 +970,7 @@ def _placed_like(
 ) -> dict[str, torch.Tensor]:
     """``values`` checked against ``like`` (same sites and shapes, finite) and moved to
     its dtype and device (a CUDA model started from CPU tensors)."""
+    site_keys(what, values, like, "the model's latent sites")
     placed = {}
     for name, reference in like.items():
         if name not in values:

@@ -183,17 +183,22 @@ def _detach_all(flipouts: list[LoRAFlipout]) -> None:
 def _check_asymmetric(net: LiftedModule) -> None:
     random = sorted(net.random_sites.values())
     point = set(net.point_sites.values())
+    # BLoB's layout in the vocabulary of the call that made the network
+    from_lora_model = net.made_by == "lora_model"
+    layout = "build it with lora_model(..., adapters_random='A', head='point')"
+    fix_b = layout if from_lora_model else "lift it with point='lora_B'"
+    fix_a = layout if from_lora_model else "lift with random='lora_A'"
     random_b = [name for name in random if "lora_B" in name]
     if random_b:
         raise ValueError(
             f"BLoBGuide: {random_b[0]!r} is random; BLoB keeps B a point estimate with no KL "
-            "and no noise (section 3.1): lift it with point='lora_B'"
+            f"and no noise (section 3.1): {fix_b}"
         )
     for name in random:
         if "lora_A" not in name:
             raise ValueError(
                 f"BLoBGuide: the random weight {name!r} is not a LoRA A matrix; BLoB puts a "
-                "posterior on LoRA A only (section 3.1): lift with random='lora_A'"
+                f"posterior on LoRA A only (section 3.1): {fix_a}"
             )
         b_name = name.replace("lora_A", "lora_B")
         if b_name not in point:

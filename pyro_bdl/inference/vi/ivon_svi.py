@@ -43,6 +43,15 @@ from pyro_bdl.inference.vi.ivon import IVONGuide
 
 __all__ = ["IVONSVI", "fit_ivon"]
 
+#: ``fit_ivon``'s default :math:`\beta_2 = 1 - c / T` over :math:`T` steps leaves
+#: :math:`e^{-c}` (under 1%) of ``hess_init`` in :math:`h` at the end.
+FORGET_STEPS = 5.0
+#: The range of the :math:`\beta_2` that ``fit_ivon`` chooses: the largest is ``ivon-opt``'s
+#: default; below the smallest one estimate is a tenth of :math:`h`, too noisy.
+BETA2_MIN, BETA2_MAX = 0.9, 0.99999
+#: ``fit_ivon`` warns when ``hess_init`` still makes up more than this share of :math:`h`.
+HESS_INIT_SHARE = 0.1
+
 
 class IVONSVI:
     r"""IVON steps of an :class:`~pyro_bdl.inference.IVONGuide`, one minibatch at a time.
@@ -70,7 +79,9 @@ class IVONSVI:
     :param IVONGuide guide: the guide to train.
     :param float lr: the learning rate :math:`\alpha \ge 0`.
     :param float beta1: the momentum's decay :math:`\beta_1 \in [0, 1)`.
-    :param float beta2: the Hessian estimate's decay :math:`\beta_2 \in [0, 1]`.
+    :param float beta2: the Hessian estimate's decay :math:`\beta_2 \in [0, 1]`
+        (``ivon-opt``'s default; :func:`fit_ivon` chooses it from the run's length, since
+        :math:`h` keeps :math:`\beta_2^t` of ``hess_init`` after :math:`t` steps).
     :param int mc_samples: weight draws per step, their gradients averaged.
     :param float clip_radius: :math:`\rho > 0`, the clip of each coordinate of the
         preconditioned update (``inf``: none, as in ``ivon-opt``).
@@ -102,6 +113,8 @@ class IVONSVI:
         self.schedule = schedule
         self.momentum: torch.Tensor | None = None
         self.step_count = 0
+        #: :math:`\beta_2^t`: the weight that ``hess_init`` still has in :math:`h`
+        self.hess_init_weight = 1.0
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Take one step on the minibatch that ``args`` and ``kwargs`` hold.
@@ -144,23 +157,34 @@ class IVONSVI:
         self.guide._ensure_setup(*args, **kwargs)
         point = self.guide.point_sites
         if point:
+            made_by = getattr(getattr(self.model, "net", None), "made_by", "lift")
+            fix = (
+                "Build the model with lora_model(..., adapters_random='AB', head='random')"
+                if made_by == "lora_model"
+                else "Lift them as random weights"
+            )
             warnings.warn(
                 f"IVONSVI trains the model's random sites only; its point weights {point[:3]}"
-                f"{' ...' if len(point) > 3 else ''} (pyro.param) keep their values. Lift them "
-                "as random weights to train them with IVON",
+                f"{' ...' if len(point) > 3 else ''} (pyro.param) keep their values. {fix} "
+                "to train them with IVON",
                 stacklevel=3,
             )
         self.momentum = torch.zeros_like(self.guide.loc.unconstrained())
         distributed.broadcast_([self.guide.loc.unconstrained(), self.guide.hess.unconstrained()])
 
     def state_dict(self) -> dict:
-        """The training state (momentum :math:`g` and step count) to resume step for step.
+        """The training state (momentum :math:`g`, step count and the weight of ``hess_init``
+        in :math:`h`) to resume step for step.
 
         The guide holds :math:`m` and :math:`h` (its own ``state_dict``); ``bdl.save(svi,
         directory)`` writes both.
         """
         momentum = None if self.momentum is None else self.momentum.detach().clone()
-        return {"step_count": self.step_count, "momentum": momentum}
+        return {
+            "step_count": self.step_count,
+            "momentum": momentum,
+            "hess_init_weight": self.hess_init_weight,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a :meth:`state_dict` (the momentum on the guide's device)."""
@@ -168,6 +192,8 @@ class IVONSVI:
         if momentum is not None and self.guide.prototype_trace is not None:
             momentum = momentum.to(self.guide.loc.unconstrained())
         self.momentum, self.step_count = momentum, int(state["step_count"])
+        # a state saved before the weight was kept: beta2^t, exact for a constant beta2
+        self.hess_init_weight = float(state.get("hess_init_weight", self.beta2**self.step_count))
 
     def _init_settings(self) -> dict:
         # the constructor's arguments, for bdl.save
@@ -209,6 +235,7 @@ class IVONSVI:
         delta = guide._delta
         lr = self.lr * (self.schedule(self.step_count) if self.schedule is not None else 1.0)
         self.step_count += 1
+        self.hess_init_weight *= beta2
         self.momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
         hess_nll = noise_grad.mul_(precision).mul_(guide.ess)
         correction = (h - hess_nll).square_().div_(precision)
@@ -229,18 +256,30 @@ def fit_ivon(
     num_steps: int,
     lr: float = 0.1,
     beta1: float = 0.9,
-    beta2: float = 0.99999,
+    beta2: float | None = None,
     mc_samples: int = 1,
     clip_radius: float = math.inf,
-    schedule: Callable[[int], float] | None = None,
+    schedule: Callable[[int], float] | str | None = "cosine",
     progress: bool = True,
     **kwargs,
 ) -> dict[str, list[float]]:
-    """Train an :class:`~pyro_bdl.inference.IVONGuide` on minibatches (see :class:`IVONSVI`).
+    r"""Train an :class:`~pyro_bdl.inference.IVONGuide` on minibatches (see :class:`IVONSVI`).
 
     DataLoader arguments are replaced by a fresh minibatch at every step. The loss is read
     from the device a hundred times per run, for the progress bar and to stop a run whose
     loss is no longer finite.
+
+    The defaults fit the data's posterior in the run's ``num_steps``. :math:`h` is an
+    exponential average that starts at ``hess_init``, which it still holds with weight
+    :math:`\beta_2^t` after :math:`t` steps: at ``ivon-opt``'s :math:`\beta_2 = 0.99999`
+    that is 97% after 3,000 steps, and the posterior's variances are ``hess_init``'s
+    rather than the data's. So by default :math:`\beta_2 = 1 - 5 / T` over the run's
+    :math:`T` steps (within [0.9, 0.99999]), which leaves :math:`e^{-5} < 1\%` of ``hess_init``
+    at the end, and the learning rate decays to zero on a cosine (as in Shen et al.'s
+    experiments), so that the last means are the optimum's and not one noisy step of it.
+    Given ``beta2`` and ``schedule="constant"``, the steps are ``ivon-opt``'s. A fit whose
+    :math:`h` still holds more than 10% of ``hess_init`` (by :math:`\beta_2^T`, or as a
+    share of the final :math:`h + \delta`, median over the weights) warns.
 
     Example::
 
@@ -251,23 +290,26 @@ def fit_ivon(
     :param IVONGuide guide: the guide to train.
     :param args: the model's arguments (DataLoaders stand for minibatches).
     :param int num_steps: training steps.
+    :param float beta2: :math:`\beta_2` (default :math:`1 - 5 / T` within :math:`[0.9, 0.99999]`).
+    :param schedule: ``t -> multiplier`` of ``lr``, or ``"cosine"`` (from 1 at the first
+        step to 0 after the last) or ``"constant"`` (``None`` too).
     :param bool progress: show a progress bar.
     :return: ``{"loss": [...]}``, the per-step loss of :meth:`IVONSVI.step`.
     :raises RuntimeError: if the loss stops being finite (the guide keeps that state).
 
     The other parameters are :class:`IVONSVI`'s.
     """
+    num_steps = _checks.integer("num_steps", num_steps, low=1)
     svi = IVONSVI(
         model,
         guide,
         lr=lr,
         beta1=beta1,
-        beta2=beta2,
+        beta2=_default_beta2(num_steps) if beta2 is None else beta2,
         mc_samples=mc_samples,
         clip_radius=clip_radius,
-        schedule=schedule,
+        schedule=_learning_rate_schedule(schedule, num_steps),
     )
-    num_steps = _checks.integer("num_steps", num_steps, low=1)
     batches = Minibatches(args, kwargs)
     losses: list[torch.Tensor] = []
     check_every = max(1, num_steps // 100)
@@ -284,4 +326,46 @@ def fit_ivon(
                     f"with clip_radius (now {clip_radius})"
                 )
             bar.set_postfix(loss=f"{recent:.4g}", refresh=False)
+    _warn_if_hess_init_remains(svi, num_steps)
     return {"loss": torch.stack(losses).tolist()}
+
+
+def _default_beta2(num_steps: int) -> float:
+    """``fit_ivon``'s :math:`\\beta_2` for a run of ``num_steps``: :math:`1 - 5 / T` within
+    [0.9, 0.99999], so that :math:`h` keeps :math:`e^{-5}` of ``hess_init`` at the end.
+
+    :param int num_steps: :math:`T`, the steps of the run.
+    """
+    num_steps = _checks.integer("num_steps", num_steps, low=1)
+    return min(max(BETA2_MIN, 1.0 - FORGET_STEPS / num_steps), BETA2_MAX)
+
+
+def _learning_rate_schedule(
+    schedule: Callable[[int], float] | str | None, num_steps: int
+) -> Callable[[int], float] | None:
+    if callable(schedule) or schedule is None:
+        return schedule
+    _checks.one_of("schedule", schedule, ("cosine", "constant"))
+    if schedule == "constant":
+        return None
+    return lambda t: 0.5 * (1.0 + math.cos(math.pi * t / num_steps))
+
+
+def _warn_if_hess_init_remains(svi: IVONSVI, num_steps: int) -> None:
+    """Warn when ``hess_init`` still makes up much of :math:`h`: the variances are then the
+    initial guess's, not the data's (one read of the device, after the run)."""
+    guide = svi.guide
+    remnant = guide.hess_init * svi.hess_init_weight
+    with torch.no_grad():
+        share = float((remnant / (guide.hess.unconstrained() + guide._delta)).median())
+    if svi.hess_init_weight <= HESS_INIT_SHARE and share <= HESS_INIT_SHARE:
+        return
+    warnings.warn(
+        f"fit_ivon: after num_steps={num_steps} steps at beta2={svi.beta2}, the Hessian "
+        f"estimate h still holds {svi.hess_init_weight:.0%} of hess_init={guide.hess_init}, "
+        f"which makes up {share:.0%} of the posterior precision h + delta (median over the "
+        "weights): the posterior's variances are not yet the data's. Raise num_steps, lower "
+        f"beta2 (fit_ivon's default for this run is {_default_beta2(num_steps):.4g}, "
+        "1 - 5 / num_steps) or set hess_init near the data's curvature",
+        stacklevel=3,
+    )

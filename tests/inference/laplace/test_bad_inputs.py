@@ -68,7 +68,7 @@ def _fit_cases(problem):
             (loader, problem.num_data),
             {"map": {**good, "v": good["w"]}},
             ValueError,
-            r"'v'.* not latent",
+            r"fit\(map=...\): unknown site 'v'; the model's latent sites are",
         ),
         (
             (loader, problem.num_data),
@@ -138,7 +138,11 @@ PREDICTIVE = [
     ({"return_samples": True, "link": "probit"}, ValueError, "return_samples=True needs link='mc'"),
     ({"generator": 0}, TypeError, "generator must be"),
     ({"prior_precision": -2.0}, ValueError, "prior_precision must be"),
-    ({"prior_precision": {"v": 1.0}}, ValueError, "prior_precision names unknown sites"),
+    (
+        {"prior_precision": {"v": 1.0}},
+        ValueError,
+        r"prior_precision: unknown site 'v'; the model's latent sites are",
+    ),
     ({"prior_precision": {"2.bias": torch.ones(2)}}, ValueError, "of '2.bias' has shape"),
 ]
 
@@ -171,7 +175,7 @@ EVIDENCE = [
     (-1.0, ValueError, "prior_precision must be a positive"),
     (float("nan"), ValueError, "prior_precision must be a positive"),
     ("one", TypeError, "prior_precision must be"),
-    ({"v": 1.0}, ValueError, "prior_precision names unknown sites"),
+    ({"v": 1.0}, ValueError, r"prior_precision: unknown site 'v'; the model's latent sites are"),
     ({"w": torch.ones(4)}, ValueError, "prior_precision of 'w' has shape"),
     ({"w": torch.zeros(3)}, ValueError, r"prior_precision\['w'\] must be positive"),
     ({"w": torch.ones(3, dtype=torch.long)}, TypeError, r"prior_precision\['w'\] must be a float"),

@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 
 import pyro
 import pyro.distributions as dist
@@ -173,3 +174,28 @@ def test_draws_kept_on_a_device_are_the_draws_made_one_at_a_time(helpers):
         torch.testing.assert_close(value, expected, rtol=0, atol=0)
     with pytest.raises(TypeError, match="device must be"):
         guide.sample_posterior(2, device=0)
+
+
+def test_a_fit_at_untrained_lora_adapters_warns_to_fine_tune_first(helpers):
+    """A fresh LoRA adapter has B = 0: Laplace there is the pretrained network's, which
+    predicts the same for every input; the fit says so, and not once B has moved."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"])
+    peft_model = get_peft_model(helpers.mlp(), config)
+    net = bdl.lift(peft_model, bdl.priors.IIDNormal(0.5), random="lora_")
+    model = helpers.classifier(net)
+    x, y = helpers.classification_data()
+    options = {"map": False, "mode_tolerance": None, "progress": False}
+    with pytest.warns(
+        UserWarning, match=r"B @ A = 0 in all 2 adapted .* then fit\(\.\.\., map=False"
+    ):
+        LaplaceGuide(model, curvature="kron").fit((x, y), len(x), **options)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.1)  # as after fine-tuning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LaplaceGuide(model, curvature="kron").fit((x, y), len(x), **options)

@@ -226,3 +226,10 @@ def test_numpy_and_tensor_scalars_are_numbers(kernel_class):
     )
     assert type(kernel.thin) is int and kernel._num_data_arg == NUM_DATA
     assert RobbinsMonro(b=np.float64(10.0), gamma=torch.tensor(1.0))(np.int64(10)) == 0.5
+
+
+@pytest.mark.parametrize("kernel_class", [SGLD, SGHMC, SGNHT])
+def test_mcmc_with_no_samples_says_so_instead_of_failing_inside_pyro(kernel_class):
+    mcmc = MCMC(kernel_class(_model, 0.01), num_samples=0, warmup_steps=3, disable_progbar=True)
+    with pytest.raises(ValueError, match=r"num_samples=0: .* pass num_samples >= 1"):
+        mcmc.run(_batch(), NUM_DATA)
