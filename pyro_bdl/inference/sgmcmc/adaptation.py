@@ -32,8 +32,8 @@ During ``warmup_steps`` a kernel built with ``adapt_mass_matrix=True`` and / or
 
   The kinetic temperature is a property of the chain's state, not of one step: the
   energy that a chain releases on its way in from a far start heats it for a while,
-  and a smaller step would only slow its way in and keep it hot. So the step size holds
-  while the potential energy is falling, shrinks no faster than the
+  and a smaller step would only slow its way in and keep it hot. So the step size does
+  not shrink while the potential energy is falling, shrinks no faster than the
   statistic forgets (``friction / mass`` per unit of time), and the momenta are drawn
   afresh from their law at the start of every window (a Gibbs step, which leaves the
   target invariant) to discard what heat is left. (The energy error of a step, which
@@ -236,10 +236,9 @@ class Adaptation:
         spread of the statistic. Pyro's dual averaging steps with its raw iterate, whose
         excursions NUTS can afford because it rejects them; an SGMCMC chain cannot
         reject a step too large, so the step size moves by at most a few per cent a step.
-        It holds while the potential energy is falling: the energy released on the way
-        to the posterior heats the momenta through no fault of the step (a smaller step
-        would only slow the way in, and keep it hot), and a larger one, taken whenever
-        the heat dips, would ratchet up until the chain blows up.
+        It does not shrink while the potential energy is falling: the energy released on
+        the way to the posterior heats the momenta through no fault of the step (and a
+        smaller step would only slow the way in, and keep it hot).
         """
         if not self.adapt_step_size or not math.isfinite(excess):
             return
@@ -250,7 +249,7 @@ class Adaptation:
         self._observed += 1
         weight = max(1.0 / self._observed, _SPREAD_WEIGHT)
         self._spread += weight * (error * error - self._spread)
-        if self._spread > 0 and not falling:
+        if self._spread > 0 and not (falling and error > 0):
             # The statistic remembers about 1 / (2 step_size friction) steps: the step size
             # shrinks no faster than that, lest it chase a heat the step did not cause.
             memory = min(1.0, 2 * self.step_size * self._relaxation) if error > 0 else 1.0
