@@ -990,7 +990,11 @@ def _placed_like(
 
 def _init_from_dict(values: Mapping[str, torch.Tensor]) -> Callable[[dict], torch.Tensor]:
     def init(site: dict) -> torch.Tensor:
-        reference = init_to_module(site)
+        # the default start gives the site's shape, dtype and device; its fallback,
+        # init_to_feasible, draws from the prior to find them, which must not move the
+        # random stream of a chain whose start is given
+        with torch.random.fork_rng(devices=[]):
+            reference = init_to_module(site)
         if site["name"] not in values:
             return reference
         value = torch.as_tensor(values[site["name"]])
