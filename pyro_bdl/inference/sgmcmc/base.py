@@ -106,7 +106,7 @@ class SGMCMCKernel(MCMCKernel):
         is then the fixed one, step for step.
     :param float target_excess: the relative excess of the stationary position
         variance, from discretisation and gradient noise, that the step size is tuned
-        to (default 0.05).
+        to (default 0.1).
     :param int num_data: the data-set size N (default: the ``num_data`` of the model's
         ``bdl.observe`` site; a model whose batch is the whole data set needs neither).
     :param int thin: kernel steps per kept draw (after warm-up; each warm-up iteration
