@@ -40,12 +40,19 @@ RUNS = {
     ("SGHMC", "eight_schools", None): (1000, 6000),
     ("SGHMC", "moons", None): (1000, 5000),
     ("SGHMC", "moons", 64): (1000, 5000),
-    ("SGLD", "gaussian", None): (500, 4000),
+    ("SGLD", "gaussian", None): (500, 6000),
     ("SGLD", "breast_cancer", None): (1000, 12000),
     ("SGLD", "regression", None): (1000, 10000),
     ("SGLD", "eight_schools", None): (1000, 8000),
     ("SGLD", "moons", None): (1000, 10000),
     ("SGLD", "moons", 64): (1000, 10000),
+}
+#: Runs whose draws fall short of MIN_ESS (measured on 2 shared CPU cores, these seeds):
+#: SGLD's random walk mixes too slowly here for a test's budget; about three times the
+#: draws would be needed. Strict, so that a kernel that mixes faster shows.
+SLOW_MIXING = {
+    ("SGLD", "regression", None): "bulk ESS 48 of 10,000 draws (linear.weight)",
+    ("SGLD", "eight_schools", None): "bulk ESS 38 of 8,000 draws (tau)",
 }
 KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "SGNHT": SGNHT}
 FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
@@ -76,8 +83,16 @@ def _assert_matches_nuts(case, samples):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kernel_name, model_name, minibatch",
-    list(RUNS),
-    ids=[f"{k}-{m}" + (f"-minibatch{b}" if b else "") for k, m, b in RUNS],
+    [
+        pytest.param(
+            *run,
+            id=f"{run[0]}-{run[1]}" + (f"-minibatch{run[2]}" if run[2] else ""),
+            marks=[pytest.mark.xfail(strict=True, reason=SLOW_MIXING[run])]
+            if run in SLOW_MIXING
+            else [],
+        )
+        for run in RUNS
+    ],
 )
 def test_defaults_match_nuts(kernel_name, model_name, minibatch):
     case = CASES[model_name](minibatch) if minibatch else CASES[model_name]()
