@@ -19,6 +19,7 @@ from pyro_bdl.inference import (
     IVONGuide,
     LaplaceGuide,
     MeanFieldGuide,
+    fit_blob,
     fit_ivon,
     fit_map,
 )
@@ -130,6 +131,24 @@ def _fits(distributed: bool) -> dict[str, torch.Tensor]:
     results.update(
         {f"ivon.{key}": value for key, value in guide.approximation_parameters().items()}
     )
+    model, dataset = _problem()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(6)
+    guide = MeanFieldGuide(model)  # BLoB's two-optimiser recipe on a mean-field guide (BBB)
+    history = fit_blob(
+        model,
+        guide,
+        _loader(dataset, distributed),
+        NUM_DATA,
+        num_steps=5,
+        lr=0.05,
+        kl_lr=0.05,
+        kl_weighting="uniform",  # 1 / (batches per epoch of the global batch)
+        max_grad_norm=0.5,
+        progress=False,
+    )
+    results.update({f"blob.{k}": v for k, v in guide.approximation_parameters().items()})
+    results["blob.kl_weight"] = torch.tensor(history["kl_weight"], dtype=torch.float64)
     return {key: value.detach().contiguous() for key, value in results.items()}
 
 
@@ -176,7 +195,8 @@ def test_map_fit_equals_one_process(fits):
     _compare(fits, "map.")
 
 
-@pytest.mark.parametrize("method", ["ivon", "mean_field"])
+@pytest.mark.parametrize("method", ["ivon", "mean_field", "blob"])
 def test_variational_fit_equals_one_process(fits, method):
-    # IVON's fit; SVI with a MeanFieldGuide and the optimiser wrapped in DataParallelOptim
+    # IVON's fit; SVI with a MeanFieldGuide and the optimiser wrapped in DataParallelOptim;
+    # BLoB's recipe, its KL weight that of the global batch
     _compare(fits, f"{method}.")
