@@ -1,4 +1,4 @@
-"""Issue 21, item 6: why SGNHT's draws were too narrow, and that they no longer are.
+"""Issue 21, item 6: where SGNHT's too narrow draws came from, and whether they still are.
 
 SGNHT was 20-30 % under-dispersed on Pyro's regression tutorial model and on eight
 schools, and exact on a 2-d Gaussian. Three explanations: the chain mixes too slowly

@@ -44,9 +44,12 @@ class SGNHT(SGHMC):
     **Issue 21, item 6.** Before, this was the explicit Euler step of Appendix B.3
     (every variable from the current state) with the target :math:`T / N`, and the draws
     were 20-30 % too narrow on Pyro's regression tutorial model and on eight schools,
-    exact on a well-conditioned Gaussian. ``benchmarks/sgnht_dispersion.py`` shows that
-    it was the step, not mixing: the deficit stays with four times the draws, shrinks
-    with the step size, and goes with Ding et al.'s order and the discretised target.
+    exact on a well-conditioned Gaussian. The step is now in Ding et al.'s order with the
+    discretised target, so that with its thermostat held at :math:`\alpha` it is
+    :class:`SGHMC`'s step. ``benchmarks/sgnht_dispersion.py`` separates the causes on
+    those two models (mixing: four times the draws; the step: a quarter of it; the
+    thermostat: SGHMC at the old chain's mean friction); a run long enough to tell them
+    apart is still to be made (a short one is dominated by mixing).
 
     **Warm-up adaptation** is :class:`SGHMC`'s, with the thermostat held at
     :math:`\alpha` (SGNHT is SGHMC then); the step size is kept at most half SGHMC's
