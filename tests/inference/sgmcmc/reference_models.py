@@ -19,9 +19,6 @@ records how). ``minibatch`` makes the model subsample its data with Pyro's own i
   Cauchy-like tail, whose Monte Carlo error is unbounded).
 - ``gaussian``: a 2-d Gaussian with standard deviations 1 and 1 / sqrt(1000) (condition
   number 1,000), a model without data.
-- ``moons``: a ``bdl.lift``-ed 2-10-1 tanh MLP with ``IIDNormal(1)`` weights on
-  ``make_moons(100, noise=0.2)``; compared on its logits at ten fixed inputs (the site
-  ``f``), since the weights themselves are not identified.
 
 Eight schools here has the priors of Stan's and BDA3's non-centred model (``mu ~
 Normal(0, 5)``, ``tau ~ HalfCauchy(5)``, ``eta`` in a plate), not those of Pyro's example
@@ -39,22 +36,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 
-import pyro_bdl as bdl
-
 REFERENCES = Path(__file__).parent / "references"
-#: Inputs at which the moons MLP's logits are compared.
-MOONS_INPUTS = (
-    (-1.5, -1.0),
-    (-1.0, 1.0),
-    (0.0, 0.0),
-    (0.5, -0.5),
-    (1.0, 1.0),
-    (1.5, -1.0),
-    (0.0, 1.5),
-    (-0.5, -1.5),
-    (2.0, 0.0),
-    (-2.0, 0.5),
-)
 
 
 @dataclass
@@ -148,42 +130,9 @@ def make_gaussian() -> Case:
     return Case("gaussian", model, (), {"z": None}, {"num_data": 1})
 
 
-def moons_data(size: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import make_moons
-
-    x, y = make_moons(size, noise=0.2, random_state=0)
-    x = torch.tensor(x, dtype=torch.float64)
-    return (x - x.mean(0)) / x.std(0), torch.tensor(y, dtype=torch.float64)
-
-
-def make_moons(minibatch: int | None = None) -> Case:
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(2, 10), torch.nn.Tanh(), torch.nn.Linear(10, 1)
-    ).double()
-    lifted = bdl.lift(net, bdl.priors.IIDNormal(1.0))
-    inputs = torch.tensor(MOONS_INPUTS, dtype=torch.float64)
-    x, y = moons_data()
-
-    def model(x, y):
-        with _plate(len(y), minibatch) as index:
-            logits = lifted(x[index]).squeeze(-1)
-            pyro.sample("obs", dist.Bernoulli(logits=logits), obs=y[index])
-
-    def logits_at_inputs(samples):
-        # the sites are the network's parameter names; vmap over the draws
-        def logits(params):
-            return torch.func.functional_call(net, params, (inputs,)).squeeze(-1)
-
-        return torch.vmap(logits)({name: samples[name] for name, _ in net.named_parameters()})
-
-    return Case("moons", model, (x, y), {"f": logits_at_inputs})
-
-
 CASES = {
     "breast_cancer": make_breast_cancer,
     "regression": make_regression,
     "eight_schools": make_eight_schools,
     "gaussian": make_gaussian,
-    "moons": make_moons,
 }

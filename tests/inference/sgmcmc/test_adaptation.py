@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pyro_bdl.diagnostics import ess_bulk
 from pyro_bdl.inference import SGHMC, SGLD, SGNHT
 
-from .reference_models import CASES, REFERENCES
+from .reference_models import CASES
 
 # the NUTS references are float64, and tests/pyro_models.py builds in the default dtype
 pytestmark = pytest.mark.usefixtures("float64")
@@ -38,14 +38,12 @@ RUNS = {
     ("SGHMC", "breast_cancer", None): (1000, 5000),
     ("SGHMC", "regression", None): (1000, 5000),
     ("SGHMC", "eight_schools", None): (1000, 6000),
-    ("SGHMC", "moons", None): (1000, 5000),
-    ("SGHMC", "moons", 64): (1000, 5000),
+    ("SGHMC", "breast_cancer", 64): (1000, 5000),
     ("SGLD", "gaussian", None): (500, 6000),
     ("SGLD", "breast_cancer", None): (1000, 12000),
     ("SGLD", "regression", None): (1000, 10000),
     ("SGLD", "eight_schools", None): (1000, 8000),
-    ("SGLD", "moons", None): (1000, 10000),
-    ("SGLD", "moons", 64): (1000, 10000),
+    ("SGLD", "breast_cancer", 64): (1000, 12000),
 }
 #: Runs whose draws fall short of MIN_ESS (measured on 2 shared CPU cores, these seeds):
 #: SGLD's random walk mixes too slowly here for a test's budget; about three times the
@@ -53,6 +51,11 @@ RUNS = {
 SLOW_MIXING = {
     ("SGLD", "regression", None): "bulk ESS 48 of 10,000 draws (linear.weight)",
     ("SGLD", "eight_schools", None): "bulk ESS 38 of 8,000 draws (tau)",
+    # Minibatches of 64 (the same posterior as the full batch, so the same NUTS reference):
+    # the means are within 0.2 sd and the sds within 15 % of NUTS', but the step size that
+    # the gradient noise leaves (0.43 against the full batch's larger one) mixes slowly.
+    ("SGHMC", "breast_cancer", 64): "bulk ESS 11 of 5,000 draws (w)",
+    ("SGLD", "breast_cancer", 64): "bulk ESS 29 of 12,000 draws (w)",
 }
 KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "SGNHT": SGNHT}
 FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
@@ -95,9 +98,6 @@ def _assert_matches_nuts(case, samples):
     ],
 )
 def test_defaults_match_nuts(kernel_name, model_name, minibatch):
-    if not (REFERENCES / f"{model_name}.json").exists():
-        # moons': one NUTS chain of 1,300 steps (about ten minutes on an idle core), not made
-        pytest.skip(f"no NUTS reference: run references/make_references.py {model_name}")
     case = CASES[model_name](minibatch) if minibatch else CASES[model_name]()
     warmup_steps, num_samples = RUNS[kernel_name, model_name, minibatch]
     kernel = KERNELS[kernel_name](case.model, **case.kernel_options)  # no step size

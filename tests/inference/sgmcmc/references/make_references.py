@@ -32,7 +32,6 @@ SETTINGS = {
     "breast_cancer": (2, 1000, 5000, 10),
     "regression": (2, 1000, 5000, 10),
     "eight_schools": (2, 1000, 10000, 10),
-    "moons": (1, 300, 1000, 8),
 }
 
 
