@@ -102,7 +102,9 @@ probs["IVON"] = test_probs(
 )
 
 # -- parallel SGHMC: chains from the MAP, each keeping its last draw -------------------------
-kernel = SGHMC(lora.model, step_size=0.03, friction=1.0, init_params=theta_map)
+# a fixed step (the recorded run's): 4 short chains from the MAP leave no warm-up to adapt in
+kernel = SGHMC(lora.model, step_size=0.03, friction=1.0, init_params=theta_map,
+               adapt_step_size=False, adapt_mass_matrix=False)  # fmt: skip
 chains = Chains(kernel, num_samples=1, warmup_steps=max(1, num_steps // 4), num_chains=4, seed=0)
 chains.run(train_loader, num_data)
 samples = chains.get_samples()

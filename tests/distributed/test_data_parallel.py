@@ -1,6 +1,6 @@
 """Data parallelism over W = 2 real processes (gloo): with a DistributedSampler and a batch
-of B / 2 per rank, a Laplace fit, an SGHMC chain and a MAP fit equal one process with the
-global batch B."""
+of B / 2 per rank, a Laplace fit, an SGHMC chain (fixed or adapting its step size and mass
+during warm-up) and a MAP fit equal one process with the global batch B."""
 
 import os
 
@@ -96,6 +96,14 @@ def _fits(distributed: bool) -> dict[str, torch.Tensor]:
         potential = kernel.diagnostics()["sample_stats"]["potential_energy"]
         results[f"sghmc.{temperature}.potential"] = torch.tensor(potential, dtype=torch.float64)
     model, dataset = _problem()
+    pyro.set_rng_seed(3)
+    kernel = SGHMC(model)  # no step size: warm-up adapts it and the mass
+    mcmc = MCMC(kernel, num_samples=4, warmup_steps=40, disable_progbar=True)
+    mcmc.run(_loader(dataset, distributed), NUM_DATA)
+    results.update({f"adapted.{name}": value for name, value in mcmc.get_samples().items()})
+    results["adapted.step_size"] = torch.tensor([kernel.adapted_step_size], dtype=torch.float64)
+    results.update({f"adapted.mass.{k}": v for k, v in kernel.inverse_mass_matrix.items()})
+    model, dataset = _problem()
     pyro.clear_param_store()
     fitted = fit_map(
         model,
@@ -175,6 +183,12 @@ def test_laplace_factors_and_evidence_equal_one_process(fits, curvature):
 def test_sghmc_chain_equals_one_process_with_the_global_batch(fits, temperature):
     # T = 0: SGD with momentum on the averaged gradient; T = 1: rank 0's noise for all
     _compare(fits, f"sghmc.{temperature}.")
+
+
+def test_adapted_chain_agrees_across_ranks_and_equals_one_process(fits):
+    # Issue 22: the ranks agree on the adapted step size and mass (rank 0's, broadcast at
+    # every change), which are those of one process with the global batch.
+    _compare(fits, "adapted.")
 
 
 def test_map_fit_equals_one_process(fits):
