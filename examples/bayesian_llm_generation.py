@@ -140,7 +140,14 @@ def fresh_adapters(chain: int) -> dict:
 # step size eps and friction alpha: at T = 0 this is SGD with momentum 1 - eps alpha = 0.9 and
 # learning rate eps / alpha = 1e-3 on the per-sentence loss; T = 1 samples the posterior
 chains = Chains(
-    SGHMC(lora.model, step_size=0.01, friction=10.0, temperature=1.0),
+    SGHMC(
+        lora.model,
+        step_size=0.01,
+        friction=10.0,
+        temperature=1.0,
+        adapt_step_size=False,  # the fixed step of the recorded run
+        adapt_mass_matrix=False,
+    ),
     num_samples=1,
     warmup_steps=epochs * len(loader) - 1,
     num_chains=4,

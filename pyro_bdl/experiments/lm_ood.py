@@ -657,6 +657,9 @@ class _Cell:
             friction=friction,
             temperature=temperature,
             thin=thin,
+            # the recipe: SGD's learning rate chosen on validation, fixed in warm-up
+            adapt_step_size=False,
+            adapt_mass_matrix=False,
         )
         chains = Chains(
             kernel,
