@@ -10,7 +10,6 @@ errors, and a malformed data file found later, end with one line and status 1.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,7 +94,6 @@ def _parser() -> _Parser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``pyro-bdl``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "experiment" and len(set(args.seeds)) != len(args.seeds):

@@ -1,5 +1,7 @@
 """The ``pyro-bdl`` command: one-line errors for bad arguments, before any work."""
 
+import os
+
 import pytest
 
 import pyro_bdl
@@ -75,3 +77,11 @@ def test_unknown_datasets_and_methods_stop_before_any_work(
     argv = ["experiment", "cold-posterior", "--data-dir", data_dir, "--out", str(tmp_path / "out")]
     error = _fails(capsys, [*argv, option, value], status=1)
     assert named in error and value in error
+
+
+def test_the_hub_setting_is_left_to_the_user(monkeypatch):
+    """Models load as from_pretrained does: online or not is HF_HUB_OFFLINE's to say."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert "HF_HUB_OFFLINE" not in os.environ
