@@ -11,6 +11,7 @@ time; each cell records its own wall and CPU time.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
@@ -24,6 +25,8 @@ import torch
 
 import pyro_bdl
 from pyro_bdl._checks import integer
+
+_logger = logging.getLogger(__name__)
 
 __all__ = ["Experiment", "markdown_table", "mean_sd", "resolve_device", "describe_device"]
 
@@ -95,8 +98,11 @@ class Experiment:
         :param compute: returns a JSON-serialisable dict of the cell's numbers.
         """
         path = self.out / "cells" / (_slug("__".join(map(str, key))) + ".json")
+        where = f"{self.name} {' '.join(map(str, key))}"
         if path.exists():
-            return json.loads(path.read_text())
+            result = json.loads(path.read_text())
+            _logger.info("%s: %.0f s (read back from %s)", where, result["wall_time_s"], path)
+            return result
         started, cpu_started = time.perf_counter(), time.process_time()
         result = compute()
         result = {
@@ -108,6 +114,7 @@ class Experiment:
         partial = path.with_suffix(".tmp")
         partial.write_text(text)
         partial.replace(path)
+        _logger.info("%s: %.0f s", where, result["wall_time_s"])
         # What a resumed run reads back, so that both runs compute the same from it.
         return json.loads(text)
 
