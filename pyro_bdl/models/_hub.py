@@ -53,11 +53,29 @@ def from_pretrained(
         raise _named(error, where, str(name), kwargs) from error
 
 
+# What to tell the user for each Hub error; the first that matches (a GatedRepoError is a
+# RepositoryNotFoundError too).
+_ADVICE = (
+    (
+        errors.GatedRepoError,
+        "is a gated model on the Hugging Face Hub; accept its licence on huggingface.co, "
+        "then pass token=... (or log in with `hf auth login`)",
+    ),
+    (
+        errors.RepositoryNotFoundError,
+        "is neither a local directory nor a model on the Hugging Face Hub (a private one "
+        "needs token=...); check the id or pass a local directory",
+    ),
+    (
+        errors.RevisionNotFoundError,
+        "names a Hub model without the revision {revision!r}; pass one of its branches, tags "
+        "or commit hashes as revision=...",
+    ),
+)
 _HUB_ERRORS = (
     errors.HFValidationError,
-    errors.RepositoryNotFoundError,
-    errors.RevisionNotFoundError,
     errors.LocalEntryNotFoundError,
+    *(kind for kind, _ in _ADVICE),
 )
 
 
@@ -79,32 +97,22 @@ def _named(error: OSError, where: str, name: str, kwargs: dict[str, Any]) -> Exc
             f"{subject} is not a directory and not a Hugging Face Hub id ('owner/name'); pass "
             "a local model directory or a Hub id such as 'meta-llama/Llama-2-7b-hf'"
         )
-    # GatedRepoError is a RepositoryNotFoundError: ask for it first.
-    if isinstance(cause, errors.GatedRepoError):
-        return OSError(
-            f"{subject} is a gated model on the Hugging Face Hub; accept its licence on "
-            "huggingface.co, then pass token=... (or log in with `hf auth login`)"
-        )
-    if isinstance(cause, errors.RepositoryNotFoundError):
-        return OSError(
-            f"{subject} is neither a local directory nor a model on the Hugging Face Hub (a "
-            "private one needs token=...); check the id or pass a local directory"
-        )
-    if isinstance(cause, errors.RevisionNotFoundError):
-        return OSError(
-            f"{subject}: the Hub model has no revision {kwargs.get('revision')!r}; pass one of "
-            "its branches, tags or commit hashes as revision=..."
-        )
     if isinstance(cause, errors.LocalEntryNotFoundError):
         if is_offline_mode() or kwargs.get("local_files_only"):
-            return OSError(
-                f"{subject} is neither a local directory nor in the Hugging Face cache, and "
+            why = (
                 "downloads are off (HF_HUB_OFFLINE=1 or local_files_only=True); download it "
-                f"once online (`hf download {name}`, or run without HF_HUB_OFFLINE) or pass the "
-                "directory of a saved model"
+                f"once online (`hf download {name}`, or run without HF_HUB_OFFLINE) or pass "
+                "the directory of a saved model"
+            )
+        else:
+            why = (
+                "the Hub could not be reached; check the connection (or a proxy), or pass a "
+                "local directory"
             )
         return OSError(
-            f"{subject} is neither a local directory nor in the Hugging Face cache, and the Hub "
-            "could not be reached; check the connection (or a proxy), or pass a local directory"
+            f"{subject} is neither a local directory nor in the Hugging Face cache, and {why}"
         )
+    for kind, advice in _ADVICE:
+        if isinstance(cause, kind):
+            return OSError(f"{subject} {advice.format(revision=kwargs.get('revision'))}")
     return OSError(f"{subject}: {error}")

@@ -4,9 +4,10 @@ Nothing here goes online: the root conftest turns the Hub off for every test."""
 
 import pytest
 import torch
+from huggingface_hub import errors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from pyro_bdl.models import lora_model
+from pyro_bdl.models import _hub, lora_model
 
 HUB_ID = "meta-llama/Llama-2-7b-hf"
 
@@ -69,3 +70,46 @@ def test_bad_hub_options_are_named(kwargs, message):
 def test_dtype_and_torch_dtype_together_are_an_error():
     with pytest.raises(ValueError, match="dtype or torch_dtype"):
         lora_model(HUB_ID, dtype=torch.float16, torch_dtype=torch.float16)
+
+
+def _raising(cause):
+    """A from_pretrained that fails as transformers does: an OSError from the Hub's error."""
+
+    def load(name, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' ...") from cause
+
+    return load
+
+
+def _hub_error(kind):
+    # The Hub's HTTP errors need a response to construct; only their type matters here.
+    return kind.__new__(kind)
+
+
+@pytest.mark.parametrize(
+    "cause, kwargs, error, message",
+    [
+        (_hub_error(errors.GatedRepoError), {}, OSError, "is a gated model.*token="),
+        (_hub_error(errors.RepositoryNotFoundError), {}, OSError, "nor a model on the Hugging"),
+        (
+            _hub_error(errors.RevisionNotFoundError),
+            {"revision": "v9"},
+            OSError,
+            "without the revision 'v9'",
+        ),
+        (errors.LocalEntryNotFoundError("no"), {}, OSError, "the Hub could not be reached"),
+        (
+            errors.LocalEntryNotFoundError("no"),
+            {"local_files_only": True},
+            OSError,
+            "downloads are off",
+        ),
+        (errors.HFValidationError("bad id"), {}, ValueError, "not a Hugging Face Hub id"),
+        (PermissionError("denied"), {}, OSError, "couldn't connect"),
+    ],
+)
+def test_each_hub_error_is_named_with_what_to_do(monkeypatch, cause, kwargs, error, message):
+    monkeypatch.setattr(_hub, "is_offline_mode", lambda: False)
+    with pytest.raises(error, match=f"^load: base='org/model'.*{message}") as raised:
+        _hub.from_pretrained(_raising(cause), "org/model", "load: base", **kwargs)
+    assert isinstance(raised.value.__cause__, OSError)
