@@ -43,3 +43,7 @@ def __getattr__(name: str):
 
         return to_arviz
     raise AttributeError(f"module 'pyro_bdl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "models", "to_arviz"})
