@@ -587,18 +587,29 @@ def _load(
 def _transformers_quiet() -> Iterator[None]:
     """Loading without transformers' load report and progress bar: the report's only
     news for a new head is its missing weights, which are expected;
-    :func:`_warn_unexpected_loading` says anything else."""
+    :func:`_warn_unexpected_loading` says anything else. A download from the Hub keeps
+    its progress bars (transformers turns the Hub's off with its own)."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
     from transformers.utils import logging
 
     level, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    hub_bars = not are_progress_bars_disabled()
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    if hub_bars:
+        enable_progress_bars()
     try:
         yield
     finally:
         logging.set_verbosity(level)
         if bar:
-            logging.enable_progress_bar()
+            logging.enable_progress_bar()  # the Hub's too
+        if not hub_bars:
+            disable_progress_bars()
 
 
 def _warn_unexpected_loading(

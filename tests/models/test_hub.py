@@ -113,3 +113,23 @@ def test_each_hub_error_is_named_with_what_to_do(monkeypatch, cause, kwargs, err
     with pytest.raises(error, match=f"^load: base='org/model'.*{message}") as raised:
         _hub.from_pretrained(_raising(cause), "org/model", "load: base", **kwargs)
     assert isinstance(raised.value.__cause__, OSError)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_loading_keeps_the_hubs_download_progress_bars_as_they_were(enabled):
+    """transformers' quiet loading (no load report) must not hide a download's progress."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    from pyro_bdl.models.lora import _transformers_quiet
+
+    (enable_progress_bars if enabled else disable_progress_bars)()
+    try:
+        with _transformers_quiet():
+            assert are_progress_bars_disabled() is not enabled
+        assert are_progress_bars_disabled() is not enabled
+    finally:
+        enable_progress_bars()
