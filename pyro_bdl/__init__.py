@@ -26,18 +26,20 @@ __all__ = [
     "metrics",
     "diagnostics",
     "models",
+    "lm",
     "__version__",
 ]
 
 
 def __getattr__(name: str):
     # What `import pyro_bdl` would pay for on every start loads on first use (PEP 562):
-    # pyro_bdl.models imports transformers and peft (seconds), to_arviz ArviZ, xarray and
-    # matplotlib (together about half of `import pyro`).
-    if name == "models":
+    # pyro_bdl.models imports transformers and peft (seconds), pyro_bdl.lm imports them when
+    # called, to_arviz imports ArviZ, xarray and matplotlib (together about half of
+    # `import pyro`).
+    if name in ("models", "lm"):
         import importlib
 
-        return importlib.import_module("pyro_bdl.models")
+        return importlib.import_module(f"pyro_bdl.{name}")
     if name == "to_arviz":
         from pyro_bdl.arviz import to_arviz
 
@@ -46,4 +48,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), "models", "to_arviz"})
+    return sorted({*globals(), "models", "lm", "to_arviz"})

@@ -14,11 +14,13 @@ LIGHT = (
     "from pyro_bdl.inference import SGHMC, LaplaceGuide, BLoBGuide, IVONGuide",
     "import pyro_bdl.inference.baselines, pyro_bdl.persistence, pyro_bdl.predict",
     "import pyro_bdl.metrics, pyro_bdl.diagnostics, pyro_bdl.cli",
+    "pyro_bdl.lm",  # causal-LM uncertainty: imports transformers only when called
 )
 # What must still load them when asked for: proof that the check sees a module import.
 ON_USE = (
     ("pyro_bdl.to_arviz", ("arviz_base", "xarray")),
     ("pyro_bdl.models.lora_model", ("transformers", "peft")),
+    ("import pyro_bdl.hf", ("transformers", "peft")),
 )
 
 

@@ -47,6 +47,9 @@ class Experiment:
     :param int epochs: train every fine-tune for this many epochs instead of the
         experiment's own number (an ablation of the training length; only experiments
         whose module lists ``"epochs"`` in ``OPTIONS`` take it).
+    :param str model: a local Hugging Face model directory to use instead of the
+        experiment's own network (only experiments whose module lists ``"model"`` in
+        ``OPTIONS`` take it).
     """
 
     name: str
@@ -58,6 +61,7 @@ class Experiment:
     methods: Sequence[str] | None = None
     device: str = "cpu"
     epochs: int | None = None
+    model: str | None = None
     settings: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
@@ -72,6 +76,11 @@ class Experiment:
         self.device = resolve_device(self.device)
         if self.epochs is not None:
             self.epochs = integer("--epochs", self.epochs, low=1)
+        if self.model is not None and not Path(self.model).is_dir():
+            raise FileNotFoundError(
+                f"--model: {self.model} is not a directory; pass a local Hugging Face model "
+                "directory (its config.json, weights and tokenizer)"
+            )
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "cells").mkdir(exist_ok=True)
 
@@ -101,7 +110,7 @@ class Experiment:
         where = f"{self.name} {' '.join(map(str, key))}"
         if path.exists():
             result = json.loads(path.read_text())
-            _logger.info("%s: %.0f s (read back from %s)", where, result["wall_time_s"], path)
+            _logger.info("%s: %s (read back from %s)", where, _times(result), path)
             return result
         started, cpu_started = time.perf_counter(), time.process_time()
         result = compute()
@@ -114,7 +123,7 @@ class Experiment:
         partial = path.with_suffix(".tmp")
         partial.write_text(text)
         partial.replace(path)
-        _logger.info("%s: %.0f s", where, result["wall_time_s"])
+        _logger.info("%s: %s", where, _times(result))
         # What a resumed run reads back, so that both runs compute the same from it.
         return json.loads(text)
 
@@ -135,6 +144,11 @@ class Experiment:
         path = self.out / "results.json"
         path.write_text(json.dumps(_plain(payload), indent=2))
         return path
+
+
+def _times(cell: dict) -> str:
+    cpu = cell.get("cpu_time_s")  # cells cached before it was recorded lack it
+    return f"{cell['wall_time_s']:.0f} s" + ("" if cpu is None else f", {cpu:.0f} CPU s")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -13,5 +13,5 @@ def test_each_cell_is_reported_when_computed_and_when_read_back(tmp_path, caplog
             experiment.cell(("sst2", "MAP", 0), lambda: calls.append(1) or {"accuracy": 0.5})
     assert calls == [1]  # the second call reads the cell back
     computed, read_back = (r.getMessage() for r in caplog.records if r.name.startswith("pyro_bdl"))
-    assert computed.startswith("toy sst2 MAP 0: ") and computed.endswith(" s")
+    assert computed.startswith("toy sst2 MAP 0: ") and computed.endswith(" CPU s")
     assert read_back.startswith("toy sst2 MAP 0: ") and "read back from" in read_back
