@@ -7,7 +7,6 @@ Example::
 """
 
 from pyro_bdl import data, diagnostics, metrics, priors
-from pyro_bdl.arviz import to_arviz
 from pyro_bdl.lift import LiftedModule, init_to_module, lift
 from pyro_bdl.likelihoods import observe
 from pyro_bdl.persistence import load, save
@@ -33,10 +32,20 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # pyro_bdl.models imports transformers and peft (seconds); load it on first use, and
-    # pyro_bdl.lm (which imports them only when called) alike.
+    # What `import pyro_bdl` would pay for on every start loads on first use (PEP 562):
+    # pyro_bdl.models imports transformers and peft (seconds), pyro_bdl.lm imports them when
+    # called, to_arviz imports ArviZ, xarray and matplotlib (together about half of
+    # `import pyro`).
     if name in ("models", "lm"):
         import importlib
 
         return importlib.import_module(f"pyro_bdl.{name}")
+    if name == "to_arviz":
+        from pyro_bdl.arviz import to_arviz
+
+        return to_arviz
     raise AttributeError(f"module 'pyro_bdl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "models", "lm", "to_arviz"})

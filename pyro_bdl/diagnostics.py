@@ -33,14 +33,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
-import xarray as xr
 from scipy.fft import irfft, next_fast_len, rfft
 from scipy.special import ndtri
 
 from pyro_bdl._checks import instance, integer, one_of, probability
 
 if TYPE_CHECKING:
+    # xarray (with pandas) takes a third as long to import as Pyro, and the samplers import
+    # this module for its ESS: only summary() imports it, when called.
     import pandas as pd
+    import xarray as xr
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -268,6 +270,8 @@ def summary(
     :param int num_threads: number of chunks processed in parallel.
     :rtype: xarray.Dataset or pandas.DataFrame
     """
+    import xarray as xr
+
     one_of("fmt", fmt, ("xarray", "dataframe"))
     instance("group", group, str, "the name of a group (str)")
     dataset = _select_variables(_group_dataset(idata, group), var_names)
@@ -570,6 +574,8 @@ def _geyer_tau(rho: np.ndarray) -> np.ndarray:
 
 
 def _group_dataset(idata: xr.DataTree | xr.Dataset, group: str) -> xr.Dataset:
+    import xarray as xr
+
     if isinstance(idata, xr.Dataset):
         return idata
     if not isinstance(idata, xr.DataTree):
@@ -604,6 +610,8 @@ def _select_variables(dataset: xr.Dataset, var_names: Sequence[str] | None) -> x
 def _summarise_variable(
     array: xr.DataArray, prob: float | tuple[float, float] | None, chunk_size: int, num_threads: int
 ) -> xr.DataArray:
+    import xarray as xr
+
     if "chain" not in array.dims or "draw" not in array.dims:
         raise ValueError(
             f"variable {array.name!r} needs 'chain' and 'draw' dimensions, got {array.dims}"

@@ -6,8 +6,10 @@ import pyro
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tests never download, whatever the environment says (the library itself goes online as
+# from_pretrained does); huggingface_hub reads the variable once, when first imported.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -15,6 +17,16 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 # The models ported from Pyro's examples (tests/pyro_models.py), importable by every test
 # module as ``pyro_models`` (tests are imported with --import-mode=importlib).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """Every test runs with the Hub off, even one that changed the variable or imported
+    huggingface_hub before it was set (the Hub keeps its reading as a constant)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,15 @@
 """The ``pyro-bdl`` command: one-line errors for bad arguments, before any work."""
 
+import importlib
+import logging
+import os
+
 import pytest
 
 import pyro_bdl
 from pyro_bdl.cli import main
+from pyro_bdl.data import DATASETS
+from pyro_bdl.experiments import EXPERIMENTS
 
 
 def _fails(capsys, argv, status=2):
@@ -79,3 +85,50 @@ def test_unknown_datasets_and_methods_stop_before_any_work(
     argv = ["experiment", "cold-posterior", "--data-dir", data_dir, "--out", str(tmp_path / "out")]
     error = _fails(capsys, [*argv, option, value], status=1)
     assert named in error and value in error
+
+
+def test_the_hub_setting_is_left_to_the_user(monkeypatch):
+    """Models load as from_pretrained does: online or not is HF_HUB_OFFLINE's to say."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert "HF_HUB_OFFLINE" not in os.environ
+
+
+@pytest.fixture
+def pyro_bdl_logger():
+    """The pyro_bdl logger as a test found it, restored after (the command configures it)."""
+    logger = logging.getLogger("pyro_bdl")
+    level, handlers = logger.level, list(logger.handlers)
+    yield logger
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+@pytest.mark.parametrize(
+    "flags, level",
+    [([], logging.INFO), (["-q"], logging.WARNING), (["--verbose"], logging.DEBUG)],
+)
+def test_quiet_and_verbose_set_the_pyro_bdl_loggers_level(
+    capsys, data_dir, tmp_path, pyro_bdl_logger, flags, level
+):
+    argv = ["experiment", "cold-posterior", "--data-dir", data_dir, "--out", str(tmp_path)]
+    _fails(capsys, [*flags, *argv, "--methods", "SGLD"], status=1)
+    assert pyro_bdl_logger.getEffectiveLevel() == level
+    logging.getLogger("pyro_bdl.experiments.runner").info("a cell: 3 s")
+    assert ("a cell: 3 s" in capsys.readouterr().err) == (level <= logging.INFO)
+
+
+def test_quiet_and_verbose_together_are_refused(capsys):
+    assert "not allowed with" in _fails(capsys, ["-q", "-v", "demo"])
+
+
+def test_help_lists_the_experiments_datasets_and_methods(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["experiment", "--help"])
+    assert exit.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name, module in EXPERIMENTS.items():
+        assert name in text
+        assert f"{name}: {', '.join(importlib.import_module(module).METHODS)}" in text
+    assert all(dataset in text for dataset in DATASETS)

@@ -74,6 +74,26 @@ def test_ece_weights_bins_by_count_and_bins_are_right_closed():
     assert metrics.ece(probs, labels, num_bins=4) == pytest.approx(expected, rel=1e-12)
 
 
+def test_ece_matches_torchmetrics():
+    """torchmetrics' multiclass calibration error (L1, equal-width bins) is the reference.
+    Continuous random confidences never fall on a bin edge, where the two could differ by
+    convention. torchmetrics casts the confidences to float32 (relative rounding 6e-8 per
+    term), so the two agree to about 1e-7 relative; 1e-6 allows for the sums' order."""
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.distributions.Dirichlet(torch.full((5,), 0.5)).sample((2000,)).double()
+    labels = torch.multinomial(probs.float(), 1, generator=generator).squeeze(1)
+    labels[::3] = torch.randint(0, 5, labels[::3].shape, generator=generator)  # miscalibrate
+    for num_bins in (10, 15):
+        reference = multiclass_calibration_error(
+            probs, labels, num_classes=5, n_bins=num_bins, norm="l1"
+        )
+        assert metrics.ece(probs, labels, num_bins=num_bins) == pytest.approx(
+            reference.item(), rel=1e-6
+        )
+
+
 def test_ece_is_zero_when_perfectly_calibrated():
     # 75% confident and right 3 times out of 4; fully confident and always right
     probs = tensor([[0.75, 0.25]] * 4 + [[0.0, 1.0]] * 2)

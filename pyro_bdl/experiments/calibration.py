@@ -248,7 +248,6 @@ def _run(experiment: Experiment) -> dict:
                     (dataset, method, seed, *length),
                     lambda compute=compute, fits=fits, seed=seed: compute(fits, seed),
                 )
-                print(f"{dataset} {method} seed {seed}: {cell['wall_time_s']:.0f} s", flush=True)
                 for row, result in cell["rows"].items():
                     cells.setdefault(dataset, {}).setdefault(row, {})[seed] = result
                 extra = {k: v for k, v in cell.items() if k != "rows"}

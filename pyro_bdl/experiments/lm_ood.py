@@ -216,7 +216,6 @@ def run(experiment: Experiment) -> dict:
                     ("flores", method, seed),
                     lambda method=method, seed=seed: _Cell(data, choices, seed).score(method),
                 )
-                print(f"lm-ood {method} seed {seed}: {cell['cpu_time_s']:.0f} CPU s", flush=True)
                 cells.setdefault(method, {})[seed] = cell
     results = _summaries(cells)
     results["choices"] = {"lr": choices.learning_rate, "blob_lr": choices.blob_learning_rate}

@@ -141,7 +141,6 @@ def _run(experiment: Experiment) -> dict:
                     method, task, sentences, seed, settings, experiment
                 ),
             )
-            print(f"ood {method} seed {seed}: {cell['wall_time_s']:.0f} s", flush=True)
             cells.setdefault(method, {})[seed] = cell
     results = _summaries(cells)
     table = markdown_table(

@@ -11,6 +11,7 @@ time; each cell records its own wall and CPU time.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
@@ -24,6 +25,8 @@ import torch
 
 import pyro_bdl
 from pyro_bdl._checks import integer
+
+_logger = logging.getLogger(__name__)
 
 __all__ = ["Experiment", "markdown_table", "mean_sd", "resolve_device", "describe_device"]
 
@@ -104,8 +107,11 @@ class Experiment:
         :param compute: returns a JSON-serialisable dict of the cell's numbers.
         """
         path = self.out / "cells" / (_slug("__".join(map(str, key))) + ".json")
+        where = f"{self.name} {' '.join(map(str, key))}"
         if path.exists():
-            return json.loads(path.read_text())
+            result = json.loads(path.read_text())
+            _logger.info("%s: %s (read back from %s)", where, _times(result), path)
+            return result
         started, cpu_started = time.perf_counter(), time.process_time()
         result = compute()
         result = {
@@ -117,6 +123,7 @@ class Experiment:
         partial = path.with_suffix(".tmp")
         partial.write_text(text)
         partial.replace(path)
+        _logger.info("%s: %s", where, _times(result))
         # What a resumed run reads back, so that both runs compute the same from it.
         return json.loads(text)
 
@@ -137,6 +144,11 @@ class Experiment:
         path = self.out / "results.json"
         path.write_text(json.dumps(_plain(payload), indent=2))
         return path
+
+
+def _times(cell: dict) -> str:
+    cpu = cell.get("cpu_time_s")  # cells cached before it was recorded lack it
+    return f"{cell['wall_time_s']:.0f} s" + ("" if cpu is None else f", {cpu:.0f} CPU s")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

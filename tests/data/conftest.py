@@ -1,9 +1,6 @@
-import os
 from pathlib import Path
 
 import pytest
-
-os.environ["HF_HUB_OFFLINE"] = "1"
 
 DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 

@@ -33,11 +33,16 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xarray as xr
-import zarr
+
+if TYPE_CHECKING:
+    # Every SGMCMC kernel imports this module; zarr and xarray (with pandas) load when a
+    # store is first written or opened, so that `import pyro_bdl.inference` stays light.
+    import xarray as xr
+    import zarr
 
 __all__ = ["DrawStore", "open_tree", "chain_directories"]
 
@@ -158,6 +163,8 @@ class DrawStore:
                     f"store: a site or statistic named {name!r} cannot be stored (no '/', not "
                     "'chain' or 'draw', no leading '__'); rename the site"
                 )
+        import zarr
+
         per_chunk = _draws_per_chunk(draw, self.buffer_bytes)
         root = zarr.open_group(self.path, mode="w", zarr_format=_FORMAT)
         for group, variables in (
@@ -250,6 +257,8 @@ def _inner_chunks(shape: Sequence[int], bytes_per_entry: int) -> tuple[int, ...]
 
 
 def _open_group(path: Path) -> zarr.Group:
+    import zarr
+
     _refuse_unsafe(path)
     return zarr.open_group(path, mode="r+", zarr_format=_FORMAT)
 
@@ -303,6 +312,8 @@ def open_tree(path: str | Path, num_draws: Mapping[Path, int] | None = None) -> 
     :param path: a checkpoint directory (``chain_<c>/draws.zarr`` below it) or a chain's.
     :param dict num_draws: chain directory -> draws to keep.
     """
+    import xarray as xr
+
     chains = []
     for directory in chain_directories(path):
         store = directory / "draws.zarr"
