@@ -3,12 +3,10 @@ r"""Class probabilities from the linearised (GLM) predictive.
 Linearising the network at the MAP, :math:`f_\theta(x_*) \approx f_{\theta_\text{MAP}}(x_*)
 + J_*(\theta - \theta_\text{MAP})`, turns the Gaussian posterior into a Gaussian over the
 logits, :math:`f(x_*) \sim \mathcal{N}(f_{\theta_\text{MAP}}(x_*), \Lambda)` with
-:math:`\Lambda = J_* \Sigma J_*^\top` (Laplace-LoRA eqs. 10-12, 15-16). The guide's linearisation
-(:func:`linearize`) gives :math:`\Lambda` from one vector-Jacobian product per class,
-at the model linearised by the fit's last curvature pass
-(:class:`~.curvature_pass.CurvaturePass`); this module maps :math:`(f, \Lambda)` to class
-probabilities (:func:`glm_predictive` for :meth:`LaplaceGuide.predictive
-<.guide.LaplaceGuide.predictive>`):
+:math:`\Lambda = J_* \Sigma J_*^\top` (Laplace-LoRA eqs. 10-12, 15-16). ``linearize`` gives
+:math:`\Lambda` from one vector-Jacobian product per class, at the model linearised by
+the fit's last curvature pass; this module maps :math:`(f, \Lambda)` to class
+probabilities (``glm_predictive`` is :meth:`~pyro_bdl.inference.LaplaceGuide.predictive`):
 
 * ``"mc"`` (Appendix A.1, eq. 17): average the softmax of :math:`S` joint logit samples
   :math:`f + L\xi`, :math:`L L^\top = \Lambda`, the approximation Laplace-LoRA found best;
