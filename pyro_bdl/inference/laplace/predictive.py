@@ -87,6 +87,18 @@ def mc_probabilities(
     return torch.softmax(mean + (noise.unsqueeze(-2) @ root.mT).squeeze(-2), -1)
 
 
+def one_pass(args: tuple, kwargs: dict, desc: str, progress: bool):
+    """The batches of one pass over the model's arguments, behind a progress bar."""
+    batches = Minibatches(args, kwargs)
+    return tqdm(
+        batches.one_pass(),
+        total=batches.batches_per_epoch,
+        desc=desc,
+        disable=not progress,
+        leave=False,
+    )
+
+
 def link_probabilities(link, mean, covariance, num_samples, generator, contrasts=True):
     """Class probabilities of the logits' Gaussian (MC: the draws, ``(S, B, C)``).
 
@@ -156,16 +168,8 @@ def glm_predictive(
     if return_samples and link != "mc":
         raise ValueError(f"return_samples=True needs link='mc', got link={link!r}")
     delta = guide._resolve(delta)
-    batches = Minibatches(args, kwargs)
     results = []
-    bar = tqdm(
-        batches.one_pass(),
-        total=batches.batches_per_epoch,
-        desc="GLM predictive",
-        disable=not progress,
-        leave=False,
-    )
-    for batch_args, batch_kwargs in bar:
+    for batch_args, batch_kwargs in one_pass(args, kwargs, "GLM predictive", progress):
         mean, grads, _ = guide._linearize(batch_args, batch_kwargs, contrasts=link == "mc")
         covariance = guide._covariance(grads, delta)
         probs = link_probabilities(link, mean, covariance, num_samples, generator)

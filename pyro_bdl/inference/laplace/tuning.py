@@ -15,14 +15,12 @@ from __future__ import annotations
 import functools
 
 import torch
-from tqdm.auto import tqdm
 
 from pyro_bdl import distributed
 from pyro_bdl._checks import integer, one_of, real
 from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
 from pyro_bdl.inference.laplace.model_prior import log_prior
-from pyro_bdl.inference.laplace.predictive import LINKS, link_probabilities
-from pyro_bdl.inference.minibatch import Minibatches
+from pyro_bdl.inference.laplace.predictive import LINKS, link_probabilities, one_pass
 
 __all__ = ["evidence", "optimize_prior_precision", "select_link"]
 
@@ -124,15 +122,7 @@ def _validation_nll(guide, args, kwargs, candidates, links, num_samples, progres
     total = torch.zeros(len(candidates), len(links), dtype=like.dtype, device=like.device)
     count = 0
     generator = torch.Generator(device=like.device).manual_seed(0)
-    batches = Minibatches(args, kwargs)
-    bar = tqdm(
-        batches.one_pass(),
-        total=batches.batches_per_epoch,
-        desc="validation NLL",
-        disable=not progress,
-        leave=False,
-    )
-    for batch_args, batch_kwargs in bar:
+    for batch_args, batch_kwargs in one_pass(args, kwargs, "validation NLL", progress):
         mean, grads, run = guide._linearize(batch_args, batch_kwargs)
         if not run.observation.is_observed:
             raise ValueError("the validation batches must carry labels")
