@@ -339,10 +339,10 @@ class MeanFieldGuide(GuideState, AutoGuide):
         ``VariationalNormal(loc, scale).to_event(1)`` (its samples and density those of
         ``AutoDiagonalNormal.get_posterior()``).
 
-        ``get_posterior(name)``, a site's name alone, is this guide's older form: the
-        distribution of that site's unconstrained value, shaped like the site,
-        ``VariationalNormal(...).to_event()``. A model whose first argument is a string
-        passes it by keyword.
+        ``get_posterior(name)`` (or ``name=...``), a site's name alone, is this guide's
+        older form: the distribution of that site's unconstrained value, shaped like the
+        site, ``VariationalNormal(...).to_event()``. A model whose first argument is a
+        string passes it by keyword.
 
         Example::
 
@@ -352,6 +352,8 @@ class MeanFieldGuide(GuideState, AutoGuide):
         :param args: the model's arguments (read if the guide has not seen the model
             yet), or one site's name.
         """
+        if not args and len(kwargs) == 1 and isinstance(kwargs.get("name"), str):
+            args, kwargs = (kwargs["name"],), {}  # the older form's keyword, name=...
         if args and isinstance(args[0], str):
             if len(args) > 1 or kwargs:
                 raise TypeError(

@@ -133,6 +133,7 @@ def test_get_posterior_takes_the_models_arguments_and_packs_as_pyro(guide_class)
     log_density = 0.0
     for site, value in reference._unpack_latent(z):
         one = ours.get_posterior(site["name"])
+        assert ours.get_posterior(name=site["name"]).event_shape == one.event_shape
         assert one.event_shape == value.shape[1:]
         log_density = log_density + one.log_prob(value)
     torch.testing.assert_close(posterior.log_prob(z), log_density)
