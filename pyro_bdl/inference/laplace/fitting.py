@@ -40,6 +40,7 @@ def fit(
     guide,
     args: tuple,
     kwargs: dict,
+    *,
     map: bool | Mapping[str, torch.Tensor],
     num_steps: int,
     optimizer: pyro.optim.PyroOptim | None,

@@ -235,7 +235,15 @@ class LaplaceGuide(GuideState, AutoGuide):
         :return: the guide, fitted.
         """
         fitting.fit(
-            self, args, kwargs, map, num_steps, optimizer, max_passes, mode_tolerance, progress
+            self,
+            args,
+            kwargs,
+            map=map,
+            num_steps=num_steps,
+            optimizer=optimizer,
+            max_passes=max_passes,
+            mode_tolerance=mode_tolerance,
+            progress=progress,
         )
         return self
 
@@ -522,12 +530,12 @@ class LaplaceGuide(GuideState, AutoGuide):
             self,
             args,
             kwargs,
-            link,
-            num_samples,
-            return_samples,
-            generator,
-            prior_precision,
-            progress,
+            link=link,
+            num_samples=num_samples,
+            return_samples=return_samples,
+            generator=generator,
+            prior_precision=prior_precision,
+            progress=progress,
         )
 
     def _linearize(self, args: tuple, kwargs: dict, contrasts: bool = False):
@@ -612,13 +620,13 @@ class LaplaceGuide(GuideState, AutoGuide):
             method,
             val_args,
             val_kwargs,
-            structure,
-            num_steps,
-            lr,
-            grid,
-            link,
-            num_samples,
-            progress,
+            structure=structure,
+            num_steps=num_steps,
+            lr=lr,
+            grid=grid,
+            link=link,
+            num_samples=num_samples,
+            progress=progress,
         )
 
     def select_link(
@@ -647,7 +655,9 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param int num_samples: logit draws for ``"mc"``.
         :return: the best link and the mean validation NLL of each.
         """
-        return tuning.select_link(self, val_args, val_kwargs, links, num_samples, progress)
+        return tuning.select_link(
+            self, val_args, val_kwargs, links=links, num_samples=num_samples, progress=progress
+        )
 
     # -- continual learning and export -----------------------------------------------
 

@@ -155,10 +155,10 @@ def output_distribution(guide, args: tuple, kwargs: dict, delta) -> tuple[torch.
 
 
 def glm_predictive(
-    guide, args, kwargs, link, num_samples, return_samples, generator, delta, progress
+    guide, args, kwargs, *, link, num_samples, return_samples, generator, prior_precision, progress
 ) -> torch.Tensor:
     """:meth:`LaplaceGuide.predictive <.guide.LaplaceGuide.predictive>` (``link`` None:
-    the guide's) at the prior precision ``delta`` (None: the guide's)."""
+    the guide's) at ``prior_precision`` (None: the guide's)."""
     link = one_of("link", guide.link if link is None else link, LINKS)
     num_samples = integer("num_samples", num_samples, low=1)
     instance("return_samples", return_samples, bool, "True or False")
@@ -167,7 +167,7 @@ def glm_predictive(
     instance("progress", progress, bool, "True or False")
     if return_samples and link != "mc":
         raise ValueError(f"return_samples=True needs link='mc', got link={link!r}")
-    delta = guide._resolve(delta)
+    delta = guide._resolve(prior_precision)
     results = []
     for batch_args, batch_kwargs in one_pass(args, kwargs, "GLM predictive", progress):
         mean, grads, _ = guide._linearize(batch_args, batch_kwargs, contrasts=link == "mc")

@@ -41,7 +41,18 @@ def evidence(guide, delta: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def optimize_prior_precision(
-    guide, method, val_args, val_kwargs, structure, num_steps, lr, grid, link, num_samples, progress
+    guide,
+    method,
+    val_args,
+    val_kwargs,
+    *,
+    structure,
+    num_steps,
+    lr,
+    grid,
+    link,
+    num_samples,
+    progress,
 ) -> dict[str, torch.Tensor]:
     """Tune the guide's :math:`\\delta` (see ``LaplaceGuide.optimize_prior_precision``)."""
     guide._check_fitted()
@@ -94,7 +105,7 @@ def optimize_prior_precision(
     return guide.prior_precision
 
 
-def select_link(guide, val_args, val_kwargs, links, num_samples, progress) -> tuple:
+def select_link(guide, val_args, val_kwargs, *, links, num_samples, progress) -> tuple:
     """The guide's best link on validation data (see ``LaplaceGuide.select_link``)."""
     guide._check_fitted()
     if not val_args and not val_kwargs:
