@@ -13,24 +13,40 @@ Measured side by side in one run, on the same model and the same batch:
   4-answer categorical likelihood on the last position: SGHMC / SGD step, target <= 1.05.
   Its 96 small LoRA tensors make any per-site Python work or device sync in the step show.
 
-Each figure is a median over steps. The SGHMC run goes through ``pyro.infer.MCMC``; its
-hook runs five steps of every baseline after every five SGHMC steps, so the two sides are
-interleaved in short blocks and a load on a shared machine hits both alike. A step of
-SGHMC is the time between two hook calls less the baselines run in between (Pyro's loop
-and its logging included); the run's one-off set-up is printed apart.
+Each figure is a median over steps. The SGHMC run (the fixed kernel: no warm-up
+adaptation) goes through ``pyro.infer.MCMC``; its hook runs five steps of every baseline
+after every five SGHMC steps, so the two sides are interleaved in short blocks and a load
+on a shared machine hits both alike. A step of SGHMC is the time between two hook calls
+less the baselines run in between (Pyro's loop and its logging included); the run's
+one-off set-up is printed apart.
+
+The adapted kernels (issue 22) on the same cases: a warm-up step of SGHMC and SGLD with
+``adapt_step_size`` and ``adapt_mass_matrix`` (Pyro's defaults; squared gradients and the
+step-size statistic each step) against the fixed kernel's warm-up step, target <= 1.2,
+and a sampling step after adaptation (a diagonal mass in the update) against the fixed
+kernel's, target <= 1.02; the two kernels step side by side in blocks of five.
+
+``--ess``: effective samples per second against NUTS on the five models of issue 22
+(``tests/inference/sgmcmc/reference_models.py``): the smallest bulk ESS over the compared
+coordinates over the run's whole time (set-up, warm-up and draws), NUTS with Pyro's
+defaults and ``init_to_median``, SGHMC and SGLD with theirs (no step size).
 
 Run: ``python benchmarks/sgmcmc_overhead.py [--steps N] [--threads 1] [--proxy deep]
-[--clock cpu]``
+[--clock cpu] [--ess]``
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import torch
@@ -38,9 +54,12 @@ from pyro.infer import MCMC
 from torch.func import functional_call
 
 import pyro_bdl as bdl
-from pyro_bdl.inference import SGHMC
+from pyro_bdl.diagnostics import ess_bulk
+from pyro_bdl.inference import SGHMC, SGLD
 
 STEP_SIZE, FRICTION, PRIOR_SCALE = 1e-3, 1.0, 1.0
+#: The kernel without warm-up adaptation: the step of today's SGHMC.
+FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
 #: The clock of every timing: wall time, or with ``--clock cpu`` this process's CPU time,
 #: which a machine shared with other jobs disturbs far less (use it with ``--threads 1``).
 CLOCK = time.perf_counter
@@ -163,7 +182,7 @@ def pyro_bdl_sghmc(net, batch, y, forward, num_steps, baselines, block=BLOCK):
                     times[name].append(CLOCK() - start)
         clock["last"] = CLOCK()
 
-    kernel = SGHMC(model, STEP_SIZE, friction=FRICTION, temperature=1.0)
+    kernel = SGHMC(model, STEP_SIZE, friction=FRICTION, temperature=1.0, **FIXED)
     mcmc = MCMC(kernel, num_samples=1, warmup_steps=num_steps, disable_progbar=True, hook_fn=hook)
     clock["start"] = CLOCK()
     mcmc.run(batch, y, 10_000)
@@ -172,6 +191,104 @@ def pyro_bdl_sghmc(net, batch, y, forward, num_steps, baselines, block=BLOCK):
     median = {name: statistics.median(values[block:]) for name, values in times.items()}
     median["setup"] = clock["setup"] - median["ours"]
     return median
+
+
+def adapted_steps(net, batch, y, forward, num_steps: int, block: int = BLOCK) -> dict:
+    """Median step times (s) of the fixed and the adapted SGLD and SGHMC, stepped side by
+    side in blocks: ``(kernel, phase) -> time``, phase ``warmup`` or ``sampling``."""
+    lifted = bdl.lift(net, bdl.priors.IIDNormal(PRIOR_SCALE))
+
+    def model(batch, y, num_data):
+        logits = forward(lifted, batch)
+        bdl.observe("y", dist.Categorical(logits=logits), y, num_data)
+
+    medians = {}
+    for kernel_class in (SGHMC, SGLD):
+        for phase, warmup_steps in (("warmup", 10**9), ("sampling", 30)):
+            kernels = {
+                "fixed": kernel_class(model, STEP_SIZE, keep_draws=False, **FIXED),
+                "adapted": kernel_class(model, STEP_SIZE, keep_draws=False),
+            }
+            chains = {}
+            for name, kernel in kernels.items():
+                kernel.setup(warmup_steps, batch, y, 10_000)
+                params = kernel.initial_params
+                for _ in range(0 if phase == "warmup" else warmup_steps):
+                    params = kernel.sample(params)  # adaptation ends here, untimed
+                chains[name] = params
+            times = {name: [] for name in kernels}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # short chains: convergence warnings
+                for _ in range(num_steps // block):
+                    for name, kernel in kernels.items():
+                        start = CLOCK()
+                        for _ in range(block):
+                            chains[name] = kernel.sample(chains[name])
+                        times[name].append((CLOCK() - start) / block)
+                for kernel in kernels.values():
+                    kernel.cleanup()
+            for name, values in times.items():
+                medians[kernel_class.__name__, phase, name] = statistics.median(values[1:])
+    pyro.clear_param_store()
+    return medians
+
+
+def print_adapted(label: str, medians: dict) -> None:
+    for kernel in ("SGHMC", "SGLD"):
+        for phase, target in (("warmup", "<= 1.2"), ("sampling", "<= 1.02")):
+            fixed, adapted = medians[kernel, phase, "fixed"], medians[kernel, phase, "adapted"]
+            print(
+                f"| {label} | {kernel} | {phase} | {fixed * 1e3:.2f} | {adapted * 1e3:.2f} "
+                f"| {adapted / fixed:.3f} | {target} |"
+            )
+
+
+def reference_models():
+    """``tests/inference/sgmcmc/reference_models.py``, the models of issue 22."""
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    sys.path.insert(0, str(tests))  # for the models of tests/pyro_models.py it reuses
+    path = tests / "inference/sgmcmc/reference_models.py"
+    spec = importlib.util.spec_from_file_location("reference_models", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ess_per_second(kernel, case, num_samples: int, warmup_steps: int) -> tuple[float, float]:
+    """(smallest bulk ESS over the compared coordinates, seconds) of one run."""
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(kernel, num_samples, warmup_steps, disable_progbar=True)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mcmc.run(*case.args)
+    seconds = time.perf_counter() - start
+    compared = case.summarise(mcmc.get_samples())
+    ess = min(float(ess_bulk(v.numpy()[np.newaxis]).min()) for v in compared.values())
+    return ess, seconds
+
+
+def print_ess() -> None:
+    from pyro.infer import NUTS
+    from pyro.infer.autoguide.initialization import init_to_median
+
+    torch.set_default_dtype(torch.float64)  # as the NUTS references
+    models = reference_models()
+    print("| model | sampler | draws (warm-up) | min bulk ESS | seconds | ESS / s |")
+    print("|---|---|---|---|---|---|")
+    for name, make in models.CASES.items():
+        case = make()
+        runs = [
+            ("NUTS", NUTS(case.model, init_strategy=init_to_median), 1000, 500),
+            ("SGHMC", SGHMC(case.model, **case.kernel_options), 5000, 1000),
+            ("SGLD", SGLD(case.model, **case.kernel_options), 5000, 1000),
+        ]
+        for label, kernel, num_samples, warmup_steps in runs:
+            ess, seconds = ess_per_second(kernel, case, num_samples, warmup_steps)
+            print(
+                f"| {name} | {label} | {num_samples} ({warmup_steps}) | {ess:.0f} | "
+                f"{seconds:.1f} | {ess / seconds:.1f} |"
+            )
 
 
 def posteriors_sghmc(net, batch, y):
@@ -196,15 +313,18 @@ def posteriors_sghmc(net, batch, y):
     return step
 
 
-def main(steps: int | None, threads: int | None, proxy: str | None, clock: str) -> None:
+def main(steps: int | None, threads: int | None, proxy: str | None, clock: str, ess: bool):
     global CLOCK
     CLOCK = time.process_time if clock == "cpu" else time.perf_counter
     if threads:
         torch.set_num_threads(threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {clock} time")
+    if ess:
+        print_ess()
+        return
     print("| model | SGD step (ms) | randn(d) (ms) | SGHMC pyro_bdl (ms) | ratio | target |")
     print("|---|---|---|---|---|---|")
-    setups = {}
+    setups, adapted = {}, {}
     cases = [(mlp_case, 200, True), (minilm_case, 40, False)]
     if proxy == "deep":
         cases = [(deep_case, 60, False)]
@@ -233,8 +353,14 @@ def main(steps: int | None, threads: int | None, proxy: str | None, clock: str) 
                 f"| {median['ours'] / median['sgd']:.3f} x SGD | {target} |"
             )
         setups[label] = median["setup"]
+        adapted[label] = adapted_steps(net, batch, y, forward, steps or default_steps)
     for label, setup in setups.items():
         print(f"one-off set-up of an MCMC run (not in the step times), {label}: {setup:.1f} ms")
+    print()
+    print("| model | kernel | phase | fixed step (ms) | adapted step (ms) | ratio | target |")
+    print("|---|---|---|---|---|---|---|")
+    for label, medians in adapted.items():
+        print_adapted(label, medians)
 
 
 if __name__ == "__main__":
@@ -254,5 +380,8 @@ if __name__ == "__main__":
         default="wall",
         help="wall time, or this process's CPU time (steadier on a shared machine)",
     )
+    parser.add_argument(
+        "--ess", action="store_true", help="effective samples per second against NUTS"
+    )
     arguments = parser.parse_args()
-    main(arguments.steps, arguments.threads, arguments.proxy, arguments.clock)
+    main(arguments.steps, arguments.threads, arguments.proxy, arguments.clock, arguments.ess)

@@ -90,6 +90,8 @@ for temperature in temperatures:
         temperature=temperature,
         thin=max(1, steps // (2 * draws)),
         init_params=theta_map,
+        adapt_step_size=False,  # the paper's fixed step, as in the recorded run
+        adapt_mass_matrix=False,
     )
     mcmc = MCMC(kernel, num_samples=draws, warmup_steps=steps // 2)
     mcmc.run(train_loader, num_data)

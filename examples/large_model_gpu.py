@@ -33,8 +33,9 @@ from matplotlib.figure import Figure
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from pyro_bdl import data, metrics
-from pyro_bdl.inference import LaplaceGuide, baselines
+from pyro_bdl.inference import BLoBGuide, LaplaceGuide, baselines, fit_blob
 from pyro_bdl.models import lora_model
+from pyro_bdl.predict import predict_proba
 
 SIZES = {  # Llama shapes: hidden size, MLP width, layers, attention heads, key-value heads
     "tiny": (64, 128, 2, 4, 4),
@@ -160,10 +161,16 @@ if cuda:
 # -- BLoB: variational A, point B --------------------------------------------------------------
 start = time.perf_counter()
 blob_lora = load(adapters_random="A")
-blob = baselines.blob(blob_lora.model, train_loader, num_data, num_steps=num_steps, lr=1e-4)
+blob = BLoBGuide(blob_lora.model, prior_std=0.2)
+fit_blob(blob_lora.model, blob, train_loader, num_data, num_steps=num_steps, lr=1e-4)
 measured("BLoB training", start)
 start = time.perf_counter()
-probs["BLoB"] = torch.cat([blob(batch, None).mean(0).cpu() for batch in test_loader])
+probs["BLoB"] = torch.cat(
+    [
+        predict_proba(blob_lora.model, batch, None, guide=blob, num_samples=10).mean(0).cpu()
+        for batch in test_loader
+    ]
+)
 measured("BLoB predictions", start)
 
 # -- results -----------------------------------------------------------------------------------

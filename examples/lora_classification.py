@@ -8,8 +8,8 @@ fit them, each giving class probabilities per weight draw ``(S, B, C)``:
 - MAP: AdamW with a small weight decay (``baselines.map_estimate``);
 - Laplace-LoRA: K-FAC Laplace at the MAP, prior precision by the evidence, linearised
   (GLM) predictive (``LaplaceGuide``);
-- BLoB: variational A, point B, flipout, KL re-weighting (``baselines.blob``);
-- IVON: a diagonal Gaussian trained by the IVON optimiser (``baselines.ivon``);
+- BLoB: variational A, point B, flipout, KL re-weighting (``BLoBGuide``, ``fit_blob``);
+- IVON: a diagonal Gaussian trained by the IVON optimiser (``IVONGuide``, ``fit_ivon``);
 - parallel SGHMC: a few SGHMC chains from the MAP, each keeping its last draw (``Chains``).
 
 It prints a calibration table (accuracy, NLL, ECE, Brier of the Bayesian model average
@@ -30,7 +30,16 @@ import torch
 
 import pyro_bdl as bdl
 from pyro_bdl import data, metrics, plots
-from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines
+from pyro_bdl.inference import (
+    SGHMC,
+    BLoBGuide,
+    Chains,
+    IVONGuide,
+    LaplaceGuide,
+    baselines,
+    fit_blob,
+    fit_ivon,
+)
 from pyro_bdl.models import lora_model
 from pyro_bdl.predict import predict_proba
 
@@ -79,15 +88,23 @@ probs["Laplace-LoRA"] = test_probs(
 
 # -- BLoB: only A is variational, B is a point estimate -------------------------------------
 blob_lora = lora_model("minilm", "classification", adapters_random="A", head="point")
-blob = baselines.blob(blob_lora.model, train_loader, num_data, num_steps=num_steps, lr=1e-3)
-probs["BLoB"] = test_probs(lambda batch: blob(batch, None))
+blob = BLoBGuide(blob_lora.model, prior_std=0.2)
+fit_blob(blob_lora.model, blob, train_loader, num_data, num_steps=num_steps, lr=1e-3)
+probs["BLoB"] = test_probs(
+    lambda batch: predict_proba(blob_lora.model, batch, None, guide=blob, num_samples=10)
+)
 
 # -- IVON: a diagonal Gaussian over A, B and the head --------------------------------------
-ivon = baselines.ivon(lora.model, train_loader, num_data, num_steps=num_steps, lr=0.03)
-probs["IVON"] = test_probs(lambda batch: ivon(batch, None))
+ivon = IVONGuide(lora.model)
+fit_ivon(lora.model, ivon, train_loader, num_data, num_steps=num_steps, lr=0.03)
+probs["IVON"] = test_probs(
+    lambda batch: predict_proba(lora.model, batch, None, guide=ivon, num_samples=10)
+)
 
 # -- parallel SGHMC: chains from the MAP, each keeping its last draw -------------------------
-kernel = SGHMC(lora.model, step_size=0.03, friction=1.0, init_params=theta_map)
+# a fixed step (the recorded run's): 4 short chains from the MAP leave no warm-up to adapt in
+kernel = SGHMC(lora.model, step_size=0.03, friction=1.0, init_params=theta_map,
+               adapt_step_size=False, adapt_mass_matrix=False)  # fmt: skip
 chains = Chains(kernel, num_samples=1, warmup_steps=max(1, num_steps // 4), num_chains=4, seed=0)
 chains.run(train_loader, num_data)
 samples = chains.get_samples()

@@ -27,14 +27,16 @@ __all__ = [
     "metrics",
     "diagnostics",
     "models",
+    "lm",
     "__version__",
 ]
 
 
 def __getattr__(name: str):
-    # pyro_bdl.models imports transformers and peft (seconds); load it on first use.
-    if name == "models":
+    # pyro_bdl.models imports transformers and peft (seconds); load it on first use, and
+    # pyro_bdl.lm (which imports them only when called) alike.
+    if name in ("models", "lm"):
         import importlib
 
-        return importlib.import_module("pyro_bdl.models")
+        return importlib.import_module(f"pyro_bdl.{name}")
     raise AttributeError(f"module 'pyro_bdl' has no attribute {name!r}")

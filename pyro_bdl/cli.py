@@ -45,6 +45,14 @@ def _directory(text: str) -> Path:
     return path
 
 
+def _model_directory(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a directory; pass a local Hugging Face model directory"
+        )
+    return text
+
+
 def _output(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
@@ -90,6 +98,11 @@ def _parser() -> _Parser:
         type=int,
         help="train every fine-tune this many epochs (calibration: an ablation of the length)",
     )
+    experiment.add_argument(
+        "--model",
+        type=_model_directory,
+        help="a local Hugging Face causal LM to use as the base (lm-ood)",
+    )
     return parser
 
 
@@ -118,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 methods=args.methods,
                 device=args.device,
                 epochs=args.epochs,
+                model=args.model,
             )
     except (ValueError, FileNotFoundError) as error:  # bad names, malformed data: one line
         sys.exit(f"pyro-bdl: error: {error}")

@@ -61,7 +61,6 @@ DEFAULT_NUM_THREADS = min(8, os.cpu_count() or 1)
 #: Memory one block of a variable stored on disk may take while ``summary`` streams it.
 STREAM_BLOCK_BYTES = 64 * 2**20
 _MIN_DRAWS = 4
-_MIN_CHAINS_RHAT = 2
 _BLOM_OFFSET = 3 / 8
 # arviz treats a coordinate whose draws span less than this as constant.
 _CONSTANT_RESOLUTION = np.finfo(float).resolution
@@ -101,15 +100,17 @@ def rhat(
     .. math:: \hat R = \sqrt{(B / W + N - 1) / N}.
 
     The tail version does the same with :math:`|x - \operatorname{median}(x)|`. Matches
-    ``arviz_stats.rhat(..., method="rank")``. See [1] in the module docstring.
+    ``arviz_stats.rhat(..., method="rank")``. A single chain is split in halves too and
+    gets an R-hat (Pyro's ``split_gelman_rubin`` does so; arviz_stats returns ``nan``):
+    it compares the chain's first half with its second. See [1] in the module docstring.
 
     Example::
 
         samples = np.random.default_rng(0).normal(size=(4, 100, 10))
         rhat(samples)  # shape (10,), all close to 1
 
-    :param samples: draws shaped ``(chain, draw, *coords)``; at least 2 chains and 4 draws,
-        otherwise the result is ``nan``.
+    :param samples: draws shaped ``(chain, draw, *coords)``; at least 4 draws, otherwise
+        the result is ``nan``.
     :type samples: numpy.ndarray or torch.Tensor
     :param int chunk_size: number of coordinates processed at once by each thread.
     :param int num_threads: number of chunks processed in parallel.
@@ -338,7 +339,7 @@ def _diagnose(
     flat = draws.reshape(num_chains, num_draws, -1)
     out = np.full((len(wanted), flat.shape[-1]), np.nan)
     if num_draws < _MIN_DRAWS:
-        _warn_too_short(num_chains, num_draws, 1)
+        _warn_too_short(num_chains, num_draws)
     computed = [name for name in wanted if name in _MOMENTS or num_draws >= _MIN_DRAWS]
     rows = [list(wanted).index(name) for name in computed]
 
@@ -359,16 +360,13 @@ def _diagnose(
     else:
         with ThreadPoolExecutor(num_threads) as pool:
             list(pool.map(fill, starts))  # list() re-raises a worker's exception
-    if "rhat" in computed and num_chains < _MIN_CHAINS_RHAT:
-        _warn_too_short(num_chains, num_draws, _MIN_CHAINS_RHAT)
-        out[list(wanted).index("rhat")] = np.nan
     return out.reshape(len(wanted), *coord_shape)
 
 
-def _warn_too_short(num_chains: int, num_draws: int, min_chains: int) -> None:
+def _warn_too_short(num_chains: int, num_draws: int) -> None:
     warnings.warn(
-        f"samples has {num_chains} chain(s) of {num_draws} draws; this diagnostic needs at "
-        f"least {min_chains} chain(s) of {_MIN_DRAWS} draws and is nan",
+        f"samples has {num_chains} chain(s) of {num_draws} draws; the diagnostics need at "
+        f"least {_MIN_DRAWS} draws and are nan",
         stacklevel=4,
     )
 

@@ -52,6 +52,7 @@ __all__ = [
     "gather_to_root",
     "init_process_group",
     "is_distributed",
+    "mean_of_sums_",
     "launched_world_size",
     "local_rank",
     "rank",
@@ -195,6 +196,26 @@ def average_gradients_(params: Sequence[torch.Tensor]) -> None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
     all_reduce_([param.grad for param in params], op="mean")
+
+
+def mean_of_sums_(tensors: Sequence[torch.Tensor], count: int) -> int:
+    """Turn each rank's sums of ``count`` terms into their mean over every rank's, in place.
+
+    Gradient accumulation sums the gradients of a step's microbatches; dividing by the
+    number of microbatches on all ranks gives the mean gradient of the step's whole batch,
+    as ``DistributedDataParallel`` with ``no_sync`` and a loss divided by the accumulation
+    steps does. Every rank holds the same ``count`` (the launchers' samplers give each rank
+    the same number of batches, which ``DistributedDataParallel`` assumes too).
+
+    :param tensors: the sums, the same shapes on every rank.
+    :param int count: the terms each rank summed.
+    :return: the number of terms of all ranks.
+    """
+    all_reduce_(tensors)
+    total = count * world_size()
+    if total != 1:
+        torch._foreach_div_(list(tensors), float(total))
+    return total
 
 
 def average_gradients_at_each_step(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

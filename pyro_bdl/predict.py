@@ -17,11 +17,13 @@ from collections.abc import Callable, Mapping
 import pyro
 import torch
 from pyro.poutine.condition_messenger import ConditionMessenger
+from pyro.poutine.util import site_is_subsample
 
-from pyro_bdl._checks import function, instance, integer
+from pyro_bdl._checks import function, integer
+from pyro_bdl._draws import draw_at, num_draws
 from pyro_bdl.likelihoods import _device, _parameter
 
-__all__ = ["predict_proba", "condition_on_sites"]
+__all__ = ["predict_proba", "condition_on_sites", "posterior_size", "guide_draw"]
 
 
 def predict_proba(
@@ -35,7 +37,9 @@ def predict_proba(
     """Softmax of the logits ``model(*args)`` returns, one per weight draw.
 
     Give either ``samples`` (a dict of draws, e.g. ``mcmc.get_samples()``, each
-    ``(S, *shape)``, on any device) or a ``guide`` with ``num_samples``; with neither
+    ``(S, *shape)``, on any device, as tensors or NumPy arrays; or an ArviZ posterior whose
+    variables are ``(chain, draw, *shape)``, such as ``bdl.to_arviz(checkpoint_dir)``) or a
+    ``guide`` with ``num_samples``; with neither
     the model runs once at the values Pyro's handlers give it (e.g. inside
     ``net.fixed(...)``). The observation site is left unobserved and ignored: only the
     returned logits count.
@@ -52,44 +56,97 @@ def predict_proba(
     :return: probabilities ``(S, batch, classes)``.
     """
     function("model", model, "a callable Pyro model returning logits")
-    if samples is not None and guide is not None:
-        raise ValueError("predict_proba: pass samples or guide, not both")
-    if guide is not None:
-        function("guide", guide, "a callable Pyro guide or None")
-        if num_samples is None:
-            raise ValueError("predict_proba: with a guide, pass num_samples >= 1")
-    if num_samples is not None:
-        integer("num_samples", num_samples, low=1)
-    if samples is not None:
-        num_draws = _num_draws(samples)
+    count = posterior_size("predict_proba", samples, guide, num_samples)
     with torch.no_grad():
-        if samples is None and guide is None:
+        if count is None:
             logits = pyro.poutine.trace(model).get_trace(*args, **kwargs).nodes["_RETURN"]
             return torch.softmax(_checked_logits(logits["value"]), dim=-1).unsqueeze(0)
-        num_draws = num_draws if samples is not None else num_samples
         draws = []
-        for i in range(num_draws):
+        for i in range(count):
             if samples is not None:
-                one = {name: value[i] for name, value in samples.items()}
-                logits = condition_on_sites(model, one)(*args, **kwargs)
+                logits = condition_on_sites(model, draw_at(samples, i))(*args, **kwargs)
             else:
                 logits = _guide_logits(model, guide, args, kwargs)
             draws.append(torch.softmax(_checked_logits(logits), dim=-1))
         return torch.stack(draws)
 
 
-def condition_on_sites(model: Callable, values: Mapping[str, torch.Tensor]) -> Callable:
+def condition_on_sites(
+    model: Callable, values: Mapping[str, torch.Tensor], *, strict: bool = False
+) -> Callable:
     """``pyro.poutine.condition(model, values)`` with each value moved to the device (and
     floating dtype) of its site's distribution, so CPU draws condition a CUDA model.
 
     :param callable model: a Pyro model.
     :param dict values: site name -> value (a tensor or array).
+    :param bool strict: refuse (``KeyError``) a latent site that ``values`` has no value
+        for, which Pyro would otherwise draw from its prior without a word.
     """
-    return _ConditionOnSites(values)(model)
+    return _ConditionOnSites(values, strict)(model)
+
+
+def posterior_size(
+    caller: str, samples: object, guide: Callable | None, num_samples: int | None
+) -> int | None:
+    """The number of draws a call with ``samples`` or ``guide`` makes (None: neither), checked.
+
+    The arguments of every function that predicts under a posterior: ``samples`` (draws
+    ``site -> (S, *shape)``, or an ArviZ posterior ``(chain, draw, *shape)``) or a
+    ``guide`` with ``num_samples``, not both.
+
+    :param str caller: the public function, named in the errors.
+    """
+    if samples is not None and guide is not None:
+        raise ValueError(f"{caller}: pass samples or guide, not both")
+    if guide is not None:
+        function("guide", guide, "a callable Pyro guide or None")
+        if num_samples is None:
+            raise ValueError(f"{caller}: with a guide, pass num_samples >= 1")
+    if num_samples is not None:
+        num_samples = integer("num_samples", num_samples, low=1)
+        if guide is None:
+            raise ValueError(
+                f"{caller}: num_samples={num_samples} is the number of draws from a guide; "
+                "pass guide=<a fitted guide> with it (samples already hold their draws)"
+            )
+    if samples is not None:
+        return num_draws(samples)
+    return num_samples
+
+
+def guide_draw(guide: Callable, *args, **kwargs) -> dict[str, torch.Tensor]:
+    """One draw of a guide's latent sites, as values: ``guide(*args, **kwargs)`` traced.
+
+    The values are detached copies of the draw, so that the model runs with them as with
+    any other values (BLoB's flipout, which acts on the guide's own draw, stays off):
+    each draw is one network.
+
+    :param callable guide: a Pyro guide.
+    :return: site -> value, the guide's auxiliary sites left out.
+    """
+    trace = pyro.poutine.trace(guide).get_trace(*args, **kwargs)
+    return {
+        name: site["value"].detach().clone()
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and not site["is_observed"]
+        and not site["infer"].get("is_auxiliary")
+    }
 
 
 class _ConditionOnSites(ConditionMessenger):
+    def __init__(self, data: Mapping, strict: bool = False):
+        super().__init__(data)
+        self.strict = strict
+
     def _pyro_sample(self, msg: dict) -> None:
+        latent = not msg["is_observed"] and not site_is_subsample(msg)
+        if self.strict and latent and msg["name"] not in self.data:
+            raise KeyError(
+                f"the draws have no value for the latent site {msg['name']!r}; they hold "
+                f"{sorted(self.data)[:5]}{' ...' if len(self.data) > 5 else ''}. Pass draws "
+                "of every latent site of the model (the model and the draws must match)"
+            )
         super()._pyro_sample(msg)
         value = msg["value"]
         if msg["name"] in self.data and value is not None:
@@ -105,25 +162,6 @@ class _ConditionOnSites(ConditionMessenger):
             device = like.device if like is not None else _device(msg["fn"])
             dtype = like.dtype if like is not None and value.is_floating_point() else None
             msg["value"] = value.to(device=device, dtype=dtype)
-
-
-def _num_draws(samples: object) -> int:
-    instance("samples", samples, Mapping, "a dict of draws (site -> (S, *shape)) or None")
-    if not samples:
-        raise ValueError("samples is an empty dict; pass draws of the model's latent sites")
-    sizes = {}
-    for name, value in samples.items():
-        if not torch.is_tensor(value):
-            raise TypeError(
-                f"samples[{name!r}] must be a tensor of draws (S, *shape), got "
-                f"{type(value).__name__}"
-            )
-        if value.dim() == 0 or len(value) == 0:
-            raise ValueError(f"samples[{name!r}] has shape {tuple(value.shape)}: no draws")
-        sizes[name] = len(value)
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"samples: the sites have different numbers of draws {sizes}")
-    return next(iter(sizes.values()))
 
 
 def _checked_logits(logits: object) -> torch.Tensor:

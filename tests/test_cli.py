@@ -52,6 +52,10 @@ def data_dir(tmp_path):
             "--seeds",
         ),
         (["experiment", "ood", "--data-dir", "{data}", "--out", "{out}", "--bogus"], "--bogus"),
+        (
+            ["experiment", "lm-ood", "--data-dir", "{data}", "--out", "{out}", "--model", "/no/m"],
+            "--model",
+        ),
         (["demo", "--seed", "-3"], "--seed"),
         (["demo", "--seed", "1.5"], "--seed"),
         (["demo", "--data-dir", "/no/such/dir"], "--data-dir"),

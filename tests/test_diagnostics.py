@@ -4,8 +4,11 @@ import arviz_base
 import arviz_stats
 import numpy as np
 import pytest
+import scipy.special
+import scipy.stats
 import torch
 import xarray as xr
+from pyro.ops.stats import split_gelman_rubin
 
 from pyro_bdl import diagnostics
 
@@ -47,8 +50,29 @@ def hard_cases(seed, num_chains, num_draws):
     return x
 
 
+def one_chain_rhat(samples):
+    """Rank-normalised split R-hat of one chain, from scipy's ranks and Pyro's
+    ``split_gelman_rubin`` (arviz_stats returns nan for a single chain)."""
+    (chain,) = samples
+    half = len(chain) // 2
+    kept = np.concatenate([chain[:half], chain[len(chain) - half :]])
+
+    def split_rhat(values):
+        ranks = scipy.stats.rankdata(values, axis=0)
+        z = scipy.special.ndtri((ranks - 0.375) / (len(values) + 0.25))
+        # split_gelman_rubin halves the chain again: kept is already the two halves
+        return split_gelman_rubin(torch.as_tensor(z)[None], chain_dim=0, sample_dim=1).numpy()
+
+    with np.errstate(invalid="ignore"):
+        bulk = split_rhat(kept)
+        tail = split_rhat(np.abs(kept - np.median(kept, axis=0)))
+    return np.where(tail > bulk, tail, bulk)
+
+
 def assert_matches_arviz(samples, **kwargs):
     expected = arviz_reference(samples)
+    if samples.shape[0] == 1:
+        expected = (one_chain_rhat(samples), *expected[1:])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # too few chains for R-hat
         actual = diagnostics.diagnose(samples, **kwargs)
@@ -84,11 +108,19 @@ def test_matches_arviz_on_any_coordinate_shape(shape):
     assert_matches_arviz(samples)
 
 
-def test_single_chain_gives_nan_rhat_and_arviz_ess():
-    samples = hard_cases(7, 1, 40)
-    with pytest.warns(UserWarning, match="2 chain"):
+@pytest.mark.parametrize("num_draws", [40, 41, 500])
+def test_a_single_chain_is_split_in_halves_for_rhat(num_draws):
+    # Issue 22: one chain gets a split R-hat (it was nan), Pyro's definition; its ESS is
+    # arviz's.
+    rng = np.random.default_rng(num_draws)
+    samples = rng.normal(size=(1, num_draws, 3))
+    samples[0, :, 1] += np.linspace(0, 3, num_draws)  # a trend: the halves disagree
+    samples[0, :, 2] = np.cumsum(samples[0, :, 2])  # a random walk
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         rhat = diagnostics.rhat(samples)
-    assert np.isnan(rhat).all()
+    np.testing.assert_allclose(rhat, one_chain_rhat(samples), rtol=RTOL)
+    assert rhat[0] < 1.1 and rhat[1] > 1.2 and rhat[2] > 1.1
     assert_matches_arviz(samples)
 
 

@@ -25,11 +25,21 @@ CASES = {
     "cnn_lstm_imdb": (True, ["cold_posterior.png", "results.json"]),
     "continual_learning": (True, ["continual.png", "results.json"]),
     "large_model_gpu": (True, ["memory.png", "results.json"]),
+    "bayesian_llm_generation": (True, ["generation.png", "results.json"]),
     "posthoc_laplace_lora": (True, ["posterior/manifest.json", "results.json"]),
+    "trainer_bayesian_lora": (True, ["BLoB/posterior/manifest.json", "results.json"]),
+    "accelerate_blob": (True, ["posterior/manifest.json", "results.json"]),
 }
-SLOW = {"lora_classification", "posthoc_laplace_lora"}
+SLOW = {"lora_classification", "posthoc_laplace_lora", "trainer_bayesian_lora"}
 # These load all-MiniLM-L6-v2 or its tokenizer, from the ``minilm`` extra.
-NEEDS_MINILM = {"getting_started", "lora_classification", "large_model_gpu", "posthoc_laplace_lora"}
+NEEDS_MINILM = {
+    "getting_started",
+    "lora_classification",
+    "large_model_gpu",
+    "posthoc_laplace_lora",
+    "trainer_bayesian_lora",
+    "accelerate_blob",
+}
 # Examples whose stages run as separate processes in real use.
 STAGES = {"posthoc_laplace_lora": ["finetune", "bayesianise", "predict"]}
 

@@ -17,6 +17,7 @@ EXPERIMENTS = {
     "calibration": "pyro_bdl.experiments.calibration",
     "cold-posterior": "pyro_bdl.experiments.cold_posterior",
     "continual": "pyro_bdl.experiments.continual",
+    "lm-ood": "pyro_bdl.experiments.lm_ood",
     "ood": "pyro_bdl.experiments.ood",
 }
 
@@ -35,5 +36,9 @@ def run_experiment(name: str, **options) -> dict:
         raise ValueError(
             f"--epochs: the {name} experiment sets a training length per method (see its "
             "module docstring); only calibration takes --epochs"
+        )
+    if options.get("model") is not None and "model" not in getattr(module, "OPTIONS", ()):
+        raise ValueError(
+            f"--model: the {name} experiment builds its own network; only lm-ood takes --model"
         )
     return module.run(Experiment(name=name, **options))

@@ -463,6 +463,9 @@ class _Runner:
             friction=self.settings["friction"],
             temperature=temperature,
             thin=thin,
+            # the paper's recipe: the step size chosen on validation, fixed in warm-up
+            adapt_step_size=False,
+            adapt_mass_matrix=False,
         )
         runner = Chains(kernel, num_samples, disable_progbar=not self.progress, seed=seed, **chains)
         runner.run(*self.train_args(seed))

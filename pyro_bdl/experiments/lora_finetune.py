@@ -506,6 +506,9 @@ def sghmc_chains(
         temperature=temperature,
         thin=thin,
         init_params=dict(init),
+        # the paper's recipe: the step size chosen on validation, fixed in warm-up
+        adapt_step_size=False,
+        adapt_mass_matrix=False,
     )
     chains = Chains(
         kernel,

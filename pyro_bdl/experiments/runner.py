@@ -44,6 +44,9 @@ class Experiment:
     :param int epochs: train every fine-tune for this many epochs instead of the
         experiment's own number (an ablation of the training length; only experiments
         whose module lists ``"epochs"`` in ``OPTIONS`` take it).
+    :param str model: a local Hugging Face model directory to use instead of the
+        experiment's own network (only experiments whose module lists ``"model"`` in
+        ``OPTIONS`` take it).
     """
 
     name: str
@@ -55,6 +58,7 @@ class Experiment:
     methods: Sequence[str] | None = None
     device: str = "cpu"
     epochs: int | None = None
+    model: str | None = None
     settings: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
@@ -69,6 +73,11 @@ class Experiment:
         self.device = resolve_device(self.device)
         if self.epochs is not None:
             self.epochs = integer("--epochs", self.epochs, low=1)
+        if self.model is not None and not Path(self.model).is_dir():
+            raise FileNotFoundError(
+                f"--model: {self.model} is not a directory; pass a local Hugging Face model "
+                "directory (its config.json, weights and tokenizer)"
+            )
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "cells").mkdir(exist_ok=True)
 

@@ -19,6 +19,10 @@ the same way. The methods (BLoB, section 4.1 and Table 3):
 - :func:`ivon`: IVON (Shen et al., 2024; on LoRA, Cong et al., 2024) on the random LoRA
   weights (:class:`~pyro_bdl.inference.IVONGuide`, :func:`fit_ivon`), ``S = num_samples``.
 
+:func:`blob` and :func:`ivon` are predictors for comparing methods; they train through
+the methods' own modules (:mod:`pyro_bdl.inference.vi`), which users call directly, or
+through :class:`~pyro_bdl.hf.BLoBTrainer` and :class:`~pyro_bdl.hf.IVONTrainer`.
+
 Every method trains with the same recipe, BLoB's Table 3: AdamW with a linear warm-up over
 ``warmup_ratio`` (0.06) of the ``num_steps`` steps, then a linear decay to zero
 (``schedule="linear"``; ``"constant"`` keeps the rate after the warm-up), on the

@@ -11,17 +11,19 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from operator import attrgetter
 
 import pyro
+import pyro.distributions as dist
 import torch
 from pyro.distributions import constraints
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoGuide
-from pyro.infer.autoguide.utils import deep_setattr
-from pyro.nn.module import PyroParam
+from pyro.infer.autoguide.utils import deep_setattr, helpful_support_errors
+from pyro.nn import PyroModule, PyroParam
+from pyro.ops.tensor_utils import periodic_repeat
 from pyro.poutine.messenger import Messenger
 from tqdm.auto import trange
 
@@ -199,7 +201,9 @@ def adam_at_prior_scale(
 
     :param dict prior_scales: latent site -> prior standard deviation.
     """
-    rates = {f"{_FitMapDelta.__name__}.{site}": fraction * s for site, s in prior_scales.items()}
+    rates = {
+        f"{_FitMapDelta.__name__}.locs.{site}": fraction * s for site, s in prior_scales.items()
+    }
     return pyro.optim.Adam(lambda name, param: {"lr": rates.get(name, point_lr)})
 
 
@@ -229,7 +233,13 @@ def _learning_rate(optimizer: pyro.optim.PyroOptim | None) -> str:
 
 
 class _FitMapDelta(AutoDelta):
-    """An AutoDelta whose params (named ``_FitMapDelta.*``) belong to fit_map alone.
+    """An AutoDelta whose params (``_FitMapDelta.locs.*``) belong to fit_map alone.
+
+    The locations sit in a child module ``.locs``, as AutoNormal keeps its own: Pyro's
+    AutoDelta sets each site's location at the attribute path of the site's name on the
+    guide itself, so a site named after one of the guide's attributes (the ``model.*``
+    weights of every Hugging Face causal LM: ``AutoGuide.model``) would land on that
+    attribute, outside the guide's parameters, and never be trained.
 
     With ``jacobian`` its params are the unconstrained values :math:`z` of the sites
     (``biject_to``, see :mod:`pyro_bdl.inference.sites`) and each site's ``Delta`` carries
@@ -242,35 +252,54 @@ class _FitMapDelta(AutoDelta):
         super().__init__(model, init_loc_fn=init_loc_fn)
 
     def _setup_prototype(self, *args, **kwargs) -> None:
-        if not self.jacobian:
-            super()._setup_prototype(*args, **kwargs)
-            return
         AutoGuide._setup_prototype(self, *args, **kwargs)
-        self.sites = LatentSites(self.prototype_trace, "LaplaceGuide")
-        values = {name: site.message["value"].detach() for name, site in self.sites.items()}
-        for name, z in self.sites.unconstrain(values).items():
-            event_dim = self.sites[name].event_dim
-            deep_setattr(self, name, PyroParam(z.detach().clone(), constraints.real, event_dim))
+        self.locs = PyroModule()
+        if self.jacobian:
+            self.sites = LatentSites(self.prototype_trace, "LaplaceGuide")
+            values = {name: site.message["value"].detach() for name, site in self.sites.items()}
+            for name, z in self.sites.unconstrain(values).items():
+                z = PyroParam(z.detach().clone(), constraints.real, self.sites[name].event_dim)
+                deep_setattr(self.locs, name, z)
+            return
+        for name, site in self.prototype_trace.iter_stochastic_nodes():  # AutoDelta's start
+            value = site["value"].detach()
+            event_dim = site["fn"].event_dim
+            for frame in site["cond_indep_stack"]:  # subsampled: the full size's values
+                full_size = frame.full_size or frame.size
+                if full_size != frame.size:
+                    value = periodic_repeat(value, full_size, frame.dim - event_dim).contiguous()
+            with helpful_support_errors(site):
+                deep_setattr(self.locs, name, PyroParam(value, site["fn"].support, event_dim))
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
-        if not self.jacobian:
-            return super().forward(*args, **kwargs)
         if self.prototype_trace is None:
             self._setup_prototype(*args, **kwargs)
         plates = self._create_plates(*args, **kwargs)
         result = {}
-        for name, site in self.sites.items():
+        for name, frames, delta in self._deltas():
             with ExitStack() as stack:
-                for frame in site.frames:
+                for frame in frames:
                     stack.enter_context(plates[frame.name])
-                result[name] = pyro.sample(name, site.delta(attrgetter(name)(self)))
+                result[name] = pyro.sample(name, delta)
         return result
+
+    def _deltas(self) -> Iterator[tuple[str, list, dist.Delta]]:
+        """Every latent site's name, vectorised plates and ``Delta`` at its location."""
+        if self.jacobian:
+            for name, site in self.sites.items():
+                yield name, site.frames, site.delta(attrgetter(name)(self.locs))
+            return
+        for name, site in self.prototype_trace.iter_stochastic_nodes():
+            frames = [frame for frame in site["cond_indep_stack"] if frame.vectorized]
+            location = attrgetter(name)(self.locs)
+            yield name, frames, dist.Delta(location, event_dim=site["fn"].event_dim)
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         if not self.jacobian:
             return super().median(*args, **kwargs)
-        values, _ = self.sites.constrain({name: attrgetter(name)(self) for name in self.sites})
+        locations = {name: attrgetter(name)(self.locs) for name in self.sites}
+        values, _ = self.sites.constrain(locations)
         return values
 
 

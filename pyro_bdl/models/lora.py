@@ -214,7 +214,8 @@ def _check_arguments(arguments: dict) -> dict:
     if isinstance(base, PeftModel):
         raise TypeError(
             "lora_model: base is already a peft model; pass its base model "
-            "(peft_model.get_base_model() before adapters were added) or adapter=<directory>"
+            "(peft_model.get_base_model() before adapters were added) or adapter=<directory>, "
+            "or take it as it is with LoRAModel.from_peft(peft_model)"
         )
     if not isinstance(base, (str, os.PathLike, PreTrainedModel)):
         raise TypeError(
@@ -338,6 +339,74 @@ class LoRAModel:
         for site in self.net.point_sites:
             if site in store:
                 del store[site]
+
+    @classmethod
+    def from_peft(
+        cls,
+        peft_model: PeftModel,
+        task: str | None = None,
+        *,
+        label_token_ids: Sequence[int] | None = None,
+        head: str | None = None,
+        adapters_random: str = "AB",
+        prior: Prior | None = None,
+        prior_scale: float = 0.2,
+        tokenizer: Any = None,
+    ) -> LoRAModel:
+        """The Pyro model of a peft LoRA model built elsewhere, its adapters as they are.
+
+        What :func:`lora_model` returns, for a model whose adapters (and a new head in
+        ``modules_to_save``) were added with peft's ``get_peft_model``, as in a Hugging
+        Face Trainer script: the LoRA weights (and the head) are lifted with the prior, in
+        place; the model is not copied and its mode is kept.
+
+        Example::
+
+            peft_model = get_peft_model(base, LoraConfig(r=8, target_modules=["query", "value"],
+                                                         modules_to_save=["classifier"]))
+            lora = LoRAModel.from_peft(peft_model, prior_scale=0.2)
+            guide = LaplaceGuide(lora.model, curvature="kron")
+
+        :param peft_model: a peft ``PeftModel`` with LoRA adapters.
+        :param str task: as :func:`lora_model`'s (default: from the model's class, e.g.
+            ``"classification"`` for a ``...ForSequenceClassification``).
+        :param label_token_ids: for ``"multiple_choice"`` with a causal LM.
+        :param str head: as :func:`lora_model`'s (default ``"random"`` when peft trains a
+            head, ``modules_to_save``, else ``"frozen"``).
+        :param str adapters_random: ``"AB"`` or ``"A"`` (B a point estimate, for BLoB).
+        :param prior: the prior of the random sites (default ``IIDNormal(prior_scale)``).
+        :param float prior_scale: the standard deviation of the default prior.
+        :param tokenizer: the tokenizer, kept beside the model.
+        :raises ValueError: if the model has no LoRA layers.
+        """
+        if not isinstance(peft_model, PeftModel):
+            raise TypeError(
+                f"LoRAModel.from_peft: expected a peft PeftModel, got {type(peft_model).__name__}"
+                "; add LoRA adapters with peft.get_peft_model(model, LoraConfig(...)) first"
+            )
+        trainable = [name for name, p in peft_model.named_parameters() if p.requires_grad]
+        if not any("lora_" in name for name in trainable):
+            raise ValueError(
+                f"LoRAModel.from_peft: the {type(peft_model.get_base_model()).__name__} has no "
+                "trainable LoRA layers (no lora_A / lora_B weights); add them with "
+                "peft.get_peft_model(model, LoraConfig(target_modules=[...]))"
+            )
+        base = peft_model.get_base_model()
+        if label_token_ids is not None:
+            label_token_ids = [integer("label_token_ids", i, low=0) for i in label_token_ids]
+        task = _task_of(base, label_token_ids) if task is None else task
+        one_of("task", task, _TASKS)
+        architecture = _architecture(task, label_token_ids, base.config.model_type)
+        _check_built(base, architecture, task)
+        if head is None:
+            head = "random" if any(".modules_to_save." in name for name in trainable) else "frozen"
+        one_of("head", head, _HEADS)
+        one_of("adapters_random", adapters_random, ("AB", "A"))
+        if prior is None:
+            prior = IIDNormal(real("prior_scale", prior_scale, positive=True))
+        net = _lift_adapters(peft_model, prior, head, adapters_random)
+        likelihood = _likelihood(task, architecture, label_token_ids)
+        return cls(BayesianNet(net, likelihood), peft_model, tokenizer, task)
 
     def __repr__(self) -> str:
         return (
@@ -494,12 +563,7 @@ def lora_model(
     model, architecture, path = _load(
         base, task, label_token_ids, num_labels, dtype, device_map, model_kwargs
     )
-    if task == "causal_lm":
-        likelihood = NextToken()
-    elif architecture == "causal_lm":
-        likelihood = AnswerTokens(label_token_ids)
-    else:
-        likelihood = Classification()
+    likelihood = _likelihood(task, architecture, label_token_ids)
     if tokenizer is None and path is not None:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     _prepare_tokenizer(tokenizer, model, architecture, task)
@@ -514,6 +578,31 @@ def lora_model(
         enable_checkpointing(net)
     peft_model.eval()
     return LoRAModel(BayesianNet(net, likelihood), peft_model, tokenizer, task)
+
+
+def _likelihood(task: str, architecture: str, label_token_ids: Sequence[int] | None):
+    """The head that turns the model's output into the task's likelihood."""
+    if task == "causal_lm":
+        return NextToken()
+    if architecture == "causal_lm":
+        return AnswerTokens(label_token_ids)
+    return Classification()
+
+
+def _task_of(model: PreTrainedModel, label_token_ids: Sequence[int] | None) -> str:
+    """The task a built model's class serves (a causal LM with answer tokens: multiple choice)."""
+    name = type(model).__name__
+    for task, architecture in (
+        ("classification", "sequence_classification"),
+        ("multiple_choice", "multiple_choice"),
+        ("causal_lm", "causal_lm"),
+    ):
+        if name in _class_names(_ARCHITECTURES[architecture][1]):
+            return "multiple_choice" if label_token_ids is not None else task
+    raise ValueError(
+        f"{name} is not a model of a task lora_model knows (...ForSequenceClassification, "
+        "...ForMultipleChoice or ...ForCausalLM); pass task=..."
+    )
 
 
 def _load(

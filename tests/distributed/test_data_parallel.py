@@ -1,6 +1,6 @@
 """Data parallelism over W = 2 real processes (gloo): with a DistributedSampler and a batch
-of B / 2 per rank, a Laplace fit, an SGHMC chain and a MAP fit equal one process with the
-global batch B."""
+of B / 2 per rank, a Laplace fit, an SGHMC chain (fixed or adapting its step size and mass
+during warm-up) and a MAP fit equal one process with the global batch B."""
 
 import os
 
@@ -19,6 +19,7 @@ from pyro_bdl.inference import (
     IVONGuide,
     LaplaceGuide,
     MeanFieldGuide,
+    fit_blob,
     fit_ivon,
     fit_map,
 )
@@ -95,6 +96,14 @@ def _fits(distributed: bool) -> dict[str, torch.Tensor]:
         potential = kernel.diagnostics()["sample_stats"]["potential_energy"]
         results[f"sghmc.{temperature}.potential"] = torch.tensor(potential, dtype=torch.float64)
     model, dataset = _problem()
+    pyro.set_rng_seed(3)
+    kernel = SGHMC(model)  # no step size: warm-up adapts it and the mass
+    mcmc = MCMC(kernel, num_samples=4, warmup_steps=40, disable_progbar=True)
+    mcmc.run(_loader(dataset, distributed), NUM_DATA)
+    results.update({f"adapted.{name}": value for name, value in mcmc.get_samples().items()})
+    results["adapted.step_size"] = torch.tensor([kernel.adapted_step_size], dtype=torch.float64)
+    results.update({f"adapted.mass.{k}": v for k, v in kernel.inverse_mass_matrix.items()})
+    model, dataset = _problem()
     pyro.clear_param_store()
     fitted = fit_map(
         model,
@@ -122,6 +131,24 @@ def _fits(distributed: bool) -> dict[str, torch.Tensor]:
     results.update(
         {f"ivon.{key}": value for key, value in guide.approximation_parameters().items()}
     )
+    model, dataset = _problem()
+    pyro.clear_param_store()
+    pyro.set_rng_seed(6)
+    guide = MeanFieldGuide(model)  # BLoB's two-optimiser recipe on a mean-field guide (BBB)
+    history = fit_blob(
+        model,
+        guide,
+        _loader(dataset, distributed),
+        NUM_DATA,
+        num_steps=5,
+        lr=0.05,
+        kl_lr=0.05,
+        kl_weighting="uniform",  # 1 / (batches per epoch of the global batch)
+        max_grad_norm=0.5,
+        progress=False,
+    )
+    results.update({f"blob.{k}": v for k, v in guide.approximation_parameters().items()})
+    results["blob.kl_weight"] = torch.tensor(history["kl_weight"], dtype=torch.float64)
     return {key: value.detach().contiguous() for key, value in results.items()}
 
 
@@ -158,11 +185,18 @@ def test_sghmc_chain_equals_one_process_with_the_global_batch(fits, temperature)
     _compare(fits, f"sghmc.{temperature}.")
 
 
+def test_adapted_chain_agrees_across_ranks_and_equals_one_process(fits):
+    # Issue 22: the ranks agree on the adapted step size and mass (rank 0's, broadcast at
+    # every change), which are those of one process with the global batch.
+    _compare(fits, "adapted.")
+
+
 def test_map_fit_equals_one_process(fits):
     _compare(fits, "map.")
 
 
-@pytest.mark.parametrize("method", ["ivon", "mean_field"])
+@pytest.mark.parametrize("method", ["ivon", "mean_field", "blob"])
 def test_variational_fit_equals_one_process(fits, method):
-    # IVON's fit; SVI with a MeanFieldGuide and the optimiser wrapped in DataParallelOptim
+    # IVON's fit; SVI with a MeanFieldGuide and the optimiser wrapped in DataParallelOptim;
+    # BLoB's recipe, its KL weight that of the global batch
     _compare(fits, f"{method}.")

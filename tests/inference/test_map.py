@@ -10,12 +10,13 @@ from pyro_bdl.inference import fit_map
 NUM_DATA = 64
 
 
-def _regression():
+def _regression(module=None):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(NUM_DATA, 3, generator=generator, dtype=torch.float64)
     y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     y = y + 0.5 * torch.randn(NUM_DATA, generator=generator, dtype=torch.float64)
-    net = bdl.lift(torch.nn.Linear(3, 1, bias=False).double(), bdl.priors.IIDNormal(0.3))
+    module = torch.nn.Linear(3, 1, bias=False).double() if module is None else module
+    net = bdl.lift(module, bdl.priors.IIDNormal(0.3))
 
     def model(batch, num_data):
         xb, yb = batch
@@ -45,6 +46,27 @@ def test_map_and_mle_reach_the_closed_form_optimum(mle):
     assert torch.allclose(fitted["weight"].reshape(-1), exact, atol=1e-8)
     assert not any(name.startswith("_FitMapDelta") for name in pyro.get_param_store().keys())
     assert not torch.allclose(net.module.weight.reshape(-1), exact, atol=1e-2)  # untouched
+
+
+class _Outer(torch.nn.Module):
+    """A network whose weights are named ``model.*``, as every Hugging Face causal LM's."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Linear(3, 1, bias=False).double()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_sites_named_after_the_guides_attributes_are_fitted():
+    # Pyro's AutoDelta would set "model.weight" on its own .model (the model it guides),
+    # outside its parameters: the weight would stay where it started
+    x, y, net, model = _regression(_Outer())
+    optimizer = pyro.optim.Adam({"lr": 0.01})
+    fitted = fit_map(model, (x, y), NUM_DATA, num_steps=3000, progress=False, optimizer=optimizer)
+    assert list(fitted) == ["model.weight"]
+    assert torch.allclose(fitted["model.weight"].reshape(-1), _exact(x, y, 1 / 0.3**2), atol=1e-8)
 
 
 def test_minibatch_fit_lands_near_the_optimum():

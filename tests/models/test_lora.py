@@ -284,6 +284,50 @@ def test_a_peft_model_is_not_a_base(tiny_llama):
         lora_model(lora.peft_model, "causal_lm")
 
 
+def test_from_peft_lifts_a_peft_model_as_lora_model_would(tiny_llama, token_batch):
+    # lora_model's adapters on a model of the same seed, and the same adapters made with
+    # peft by hand: from_peft gives the same sites, priors and log joint.
+    from peft import LoraConfig, get_peft_model
+
+    from pyro_bdl.models import LoRAModel
+
+    made = lora_model(tiny_llama(), "causal_lm", dropout=0.0, target_modules=["q_proj"])
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj"])
+    peft_model = get_peft_model(tiny_llama(), config)
+    with torch.no_grad():  # peft draws A at random: copy the other model's adapters
+        for (_, ours), (_, theirs) in zip(
+            peft_model.named_parameters(), made.peft_model.named_parameters()
+        ):
+            ours.copy_(theirs)
+    lifted = LoRAModel.from_peft(peft_model)
+    assert lifted.task == "causal_lm" and lifted.peft_model is peft_model
+    assert list(lifted.net.random_sites) == list(made.net.random_sites)
+    values = made.net.init_values()
+    joints = []
+    for lora in (made, lifted):
+        with LogJoint(values) as log_joint:
+            lora.model(token_batch, 100)
+        joints.append(log_joint.value)
+    torch.testing.assert_close(joints[0], joints[1])
+    blob = LoRAModel.from_peft(peft_model, adapters_random="A")
+    assert all("lora_A" in site for site in blob.net.random_sites)
+    assert all("lora_B" in site for site in blob.net.point_sites)
+
+
+def test_from_peft_refuses_what_has_no_lora_layers(tiny_llama):
+    from peft import IA3Config, get_peft_model
+
+    from pyro_bdl.models import LoRAModel
+
+    with pytest.raises(TypeError, match="get_peft_model"):
+        LoRAModel.from_peft(tiny_llama())
+    ia3 = get_peft_model(tiny_llama(), IA3Config(target_modules=["k_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="no trainable LoRA layers"):
+        LoRAModel.from_peft(ia3)
+    with pytest.raises(ValueError, match="task"):
+        LoRAModel.from_peft(lora_model(tiny_llama(), "causal_lm").peft_model, task="regression")
+
+
 def test_a_new_head_loads_without_a_report_or_a_deprecation_warning(minilm, capfd, recwarn):
     """transformers' load report lists the new head's missing weights, which are expected,
     and peft reads a deprecated transformers alias: neither reaches the user."""

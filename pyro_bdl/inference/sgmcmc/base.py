@@ -52,7 +52,10 @@ from pyro_bdl._checks import function, instance, integer, real, site_keys
 from pyro_bdl._draws import copied_to
 from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
+from pyro_bdl.inference.sgmcmc._buffers import FlatBuffers
+from pyro_bdl.inference.sgmcmc.adaptation import DEFAULT_TARGET_EXCESS, Adaptation
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
+from pyro_bdl.inference.sgmcmc.convergence import ConvergenceMonitor
 from pyro_bdl.inference.sgmcmc.schedules import Constant
 from pyro_bdl.lift import init_to_module
 from pyro_bdl.likelihoods import ObservationError, invalid_observations
@@ -90,9 +93,20 @@ class SGMCMCKernel(MCMCKernel):
 
     :param callable model: a Pyro model; DataLoader arguments of ``MCMC.run`` are
         replaced by a fresh minibatch at every step.
-    :param float step_size: the step size :math:`\\epsilon` (positive).
+    :param float step_size: the step size :math:`\\epsilon` (positive); with
+        ``adapt_step_size`` only where adaptation starts, and optional (see
+        :mod:`~pyro_bdl.inference.sgmcmc.adaptation`).
     :param float temperature: :math:`T \\ge 0`; 1 is the Bayesian posterior, 0 is
         optimisation.
+    :param bool adapt_step_size: tune the step size during warm-up (Pyro's name; a
+        statistic of the chain's variance excess that minibatch gradients estimate).
+    :param bool adapt_mass_matrix: learn a diagonal mass (preconditioner) from the
+        squared gradients during warm-up (Pyro's name). Nothing adapts at
+        ``temperature=0``, with ``warmup_steps=0`` or with both flags False: the kernel
+        is then the fixed one, step for step.
+    :param float target_excess: the relative excess of the stationary position
+        variance, from discretisation and gradient noise, that the step size is tuned
+        to (default 0.1).
     :param int num_data: the data-set size N (default: the ``num_data`` of the model's
         ``bdl.observe`` site; a model whose batch is the whole data set needs neither).
     :param int thin: kernel steps per kept draw (after warm-up; each warm-up iteration
@@ -114,9 +128,12 @@ class SGMCMCKernel(MCMCKernel):
     def __init__(
         self,
         model: Callable,
-        step_size: float,
+        step_size: float | None = None,
         temperature: float = 1.0,
         *,
+        adapt_step_size: bool = True,
+        adapt_mass_matrix: bool = True,
+        target_excess: float = DEFAULT_TARGET_EXCESS,
         num_data: int | None = None,
         thin: int = 1,
         schedule: Callable[[int], float] | None = None,
@@ -126,8 +143,25 @@ class SGMCMCKernel(MCMCKernel):
         keep_draws: bool = True,
     ):
         self.model = function("model", model, "a callable Pyro model")
-        self.step_size = real("step_size", step_size, positive=True)
         self.temperature = real("temperature", temperature, non_negative=True)
+        self.adapt_step_size = instance("adapt_step_size", adapt_step_size, bool, "True or False")
+        self.adapt_mass_matrix = instance(
+            "adapt_mass_matrix", adapt_mass_matrix, bool, "True or False"
+        )
+        self.target_excess = real("target_excess", target_excess, positive=True, high=1.0)
+        if step_size is None:
+            if not adapt_step_size:
+                raise ValueError(
+                    "step_size: none given and adapt_step_size=False; give a step size, or "
+                    "leave adapt_step_size=True to tune it during warm-up"
+                )
+            if self.temperature == 0:
+                raise ValueError(
+                    "step_size: none given at temperature 0, where the kernel is an optimiser "
+                    "and nothing is adapted (adaptation targets the tempered posterior, "
+                    "T > 0); give the learning rate as step_size"
+                )
+        self.step_size = None if step_size is None else real("step_size", step_size, positive=True)
         self._num_data_arg = None if num_data is None else integer("num_data", num_data, low=1)
         self.thin = integer("thin", thin, low=1)
         if schedule is not None:
@@ -153,6 +187,9 @@ class SGMCMCKernel(MCMCKernel):
         return {
             "method": type(self).__name__,
             "step_size": self.step_size,
+            "adapt_step_size": self.adapt_step_size,
+            "adapt_mass_matrix": self.adapt_mass_matrix,
+            "target_excess": self.target_excess,
             "temperature": self.temperature,
             "num_data": self.num_data if self.transforms is not None else self._num_data_arg,
             "thin": self.thin,
@@ -192,6 +229,15 @@ class SGMCMCKernel(MCMCKernel):
         self.num_data = observed_num_data(
             trace, self._num_data_arg, full_batch=not self._batches.has_loaders
         )
+        if not _has_observations(trace):
+            warnings.warn(
+                f"{type(self).__name__}: the model has no observed site, so the kernel samples "
+                f"the prior of {sorted(self._sites)}; condition on data with "
+                "pyro.sample(..., obs=...) or bdl.observe(...) to sample a posterior",
+                UserWarning,
+                stacklevel=3,
+            )
+            self.num_data = self.num_data or 1
         if self.num_data is None:
             raise ValueError(
                 "num_data: the model's likelihood declares no data-set size (no "
@@ -228,15 +274,20 @@ class SGMCMCKernel(MCMCKernel):
         self._initial_params_given = False
         self._returned = self._initial_params
         self._noise = None
+        self._scale = None  # D^{-1/2} of an adapted diagonal mass, per parameter
+        self.dimension = sum(t.numel() for t in self._theta)
         self._init_state(self._theta)
+        self._adaptation = self._new_adaptation(warmup_steps)
+        self._adapting = False
         self._step = 0
         self._iteration = 0
-        self._last = {"potential_energy": math.nan, "step_size": self.step_size}
+        self._last = {"potential_energy": math.nan, "step_size": self.step_size or math.nan}
         self._recorded: dict[str, torch.Tensor] = {}
         self._watch = _LaggedRead()
         self._previous_potential = math.nan
         self._stats: dict[str, list[float]] = {key: [] for key in self._stat_names()}
         self._draws: list[dict[str, torch.Tensor]] = []
+        self._monitor = ConvergenceMonitor(self._params)
         self._chain_checked = False
         chain = chain_number(self._chain_id)
         self._store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
@@ -244,9 +295,12 @@ class SGMCMCKernel(MCMCKernel):
     def sample(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._store is not None and self._store.replaying(self._iteration):
             self._returned = self._store.replay(self._iteration)
+            if self._iteration >= self._warmup_steps:
+                self._monitor.add(self._monitor.coordinates(self._returned).tolist())
         else:
             self._adopt(params)
             if self._iteration == self._warmup_steps:
+                self._finish_adaptation()
                 self._end_warmup()
             warmup = self._iteration < self._warmup_steps
             for inner in range(1 if warmup else self.thin):
@@ -316,11 +370,81 @@ class SGMCMCKernel(MCMCKernel):
     # -- the shared step -------------------------------------------------------------
 
     def current_step_size(self) -> float:
-        """The step size of the next kernel step, after the schedule."""
+        """The step size of the next kernel step: the given or adapted one, after the
+        schedule."""
         multiplier = self.schedule(self._step)
         if type(multiplier) is not float or not 0 < multiplier < math.inf:
             multiplier = self._checked_multiplier(multiplier)
-        return self.step_size * multiplier
+        adaptation = self._adaptation
+        base = self.step_size if adaptation is None else adaptation.step_size
+        return base * multiplier
+
+    @property
+    def adapted_step_size(self) -> float | None:
+        """The step size the chain runs with after warm-up (None before set-up, or while
+        it is still to be found from the first gradient)."""
+        adaptation = getattr(self, "_adaptation", None)
+        return self.step_size if adaptation is None else adaptation.step_size
+
+    @property
+    def inverse_mass_matrix(self) -> dict[str, torch.Tensor] | None:
+        """The diagonal of the adapted inverse mass :math:`D^{-1}` per site, shaped like
+        the site's unconstrained value (None when the mass is not adapted): the
+        preconditioner of SGLD, the inverse mass of SGHMC and SGNHT over ``mass``."""
+        if getattr(self, "_scale", None) is None:
+            return None
+        return {name: s.square() for name, s in zip(self._params, self._scale)}
+
+    # -- warm-up adaptation ----------------------------------------------------------
+
+    def _new_adaptation(self, warmup_steps: int) -> Adaptation | None:
+        flags = self.adapt_step_size or self.adapt_mass_matrix
+        if warmup_steps == 0 or self.temperature == 0 or not flags:
+            if self.step_size is None:
+                raise ValueError(
+                    "step_size: none given, and with warmup_steps=0 nothing is adapted; give "
+                    "a step size, or warm-up steps in which to find one"
+                )
+            return None
+        adaptation = Adaptation(
+            self._theta,
+            warmup_steps,
+            self.step_size,
+            adapt_step_size=self.adapt_step_size,
+            adapt_mass_matrix=self.adapt_mass_matrix,
+            target_excess=self.target_excess,
+            scale=self.num_data * self.temperature,
+            start=2 * self.target_excess,
+            step_exponent=self._step_exponent,
+            max_step_size=self._max_adapted_step_size(),
+            relaxation=self._relaxation_rate(),
+            data_parallel=self._data_parallel,
+        )
+        self._scale = adaptation.scale
+        return adaptation
+
+    #: The step size scales as (mass / curvature) to this power (SGLD: 1).
+    _step_exponent = 1.0
+
+    def _max_adapted_step_size(self) -> float:
+        """The largest step size adaptation may try, in mass-adapted units."""
+        return 1.0 if self.adapt_mass_matrix else math.inf
+
+    def _relaxation_rate(self) -> float:
+        """The rate (per unit of time) at which the adaptation statistic forgets its past."""
+        return math.inf
+
+    def _adaptation_statistic(self, step_size: float) -> torch.Tensor:
+        """The excess of the position variance that this step shows (a device scalar),
+        after the update; see :mod:`~pyro_bdl.inference.sgmcmc.adaptation`."""
+        raise NotImplementedError
+
+    def _refresh(self) -> None:
+        """Draw the auxiliary variables afresh at the start of an adaptation window."""
+
+    def _finish_adaptation(self) -> None:
+        if self._adaptation is not None:
+            self._adaptation.finish()
 
     def _checked_multiplier(self, multiplier: object) -> float:
         try:
@@ -340,17 +464,19 @@ class SGMCMCKernel(MCMCKernel):
 
     def _step_once(self, record: bool) -> None:
         args, kwargs = self._last_batch = self._batches.next()
-        step_size = self.current_step_size()
         with torch.enable_grad():
             log_joint, grads = self._log_joint_and_grad(
                 self._params, args, kwargs, average=self._data_parallel
             )
+        self._adapting = adapting = (
+            self._adaptation is not None and self._iteration < self._warmup_steps
+        )
+        if adapting:
+            self._adaptation.observe_gradient(grads)
+        step_size = self.current_step_size()
         potential = -log_joint.autograd_value
         if torch.is_tensor(potential):
             potential = potential.detach()
-        ready = self._watch.push(potential, (self._step, args, kwargs))
-        if ready is not None:
-            self._check_potential(*ready)
         if record:
             # Device scalars of the state the step started from, read with the draw.
             self._recorded = {
@@ -359,11 +485,25 @@ class SGMCMCKernel(MCMCKernel):
             }
         with torch.no_grad():
             self._update(self._theta, grads, step_size)
+            watched = potential
+            if adapting and self.adapt_step_size:
+                # The statistic travels with the potential: still one read per step.
+                statistic = self._adaptation_statistic(step_size)
+                watched = torch.stack([torch.as_tensor(potential).to(statistic), statistic])
+        ready = self._watch.push(watched, (self._step, args, kwargs))
+        if ready is not None:
+            self._check_potential(*ready)
+        if adapting and self._adaptation.end_step(self._iteration):
+            with torch.no_grad():
+                self._refresh()
         self._step += 1
         self._last["step_size"] = step_size
 
-    def _check_potential(self, value: float, context: tuple) -> None:
+    def _check_potential(self, value: float | list[float], context: tuple) -> None:
         step, args, kwargs = context
+        if isinstance(value, list):
+            value, statistic = value
+            self._adaptation.observe_statistic(statistic, value)
         if not math.isfinite(value):
             self._diverged(step, args, kwargs, f"the minibatch potential energy is {value}")
         self._last["potential_energy"] = value
@@ -405,13 +545,18 @@ class SGMCMCKernel(MCMCKernel):
     def standard_normal(self) -> list[torch.Tensor]:
         """Fresh N(0, I) noise shaped like the parameters: one draw into one flat buffer
         per dtype and device, viewed per parameter."""
+        self._noise_flats()
+        return self._noise.views
+
+    def _noise_flats(self) -> list[torch.Tensor]:
+        """Fresh N(0, I) noise as the flat buffers behind :meth:`standard_normal`."""
         if self._noise is None:
-            self._noise = _FlatBuffers(self._theta)
+            self._noise = FlatBuffers(self._theta)
         for flat in self._noise.flats:
             flat.normal_()
         if self._data_parallel:
             distributed.broadcast_(self._noise.flats)  # one draw, rank 0's, for every rank
-        return self._noise.views
+        return self._noise.flats
 
     # -- draws, statistics, divergence -----------------------------------------------
 
@@ -421,10 +566,15 @@ class SGMCMCKernel(MCMCKernel):
     def _keep_draw(self) -> None:
         names = [*self._recorded, *self._extra_stats()]
         device_stats = {**self._recorded, **self._extra_stats()}
-        # One read of the device per kept draw: the statistics and the largest |theta|.
+        # One read of the device per kept draw: the statistics, the largest |theta| and
+        # the coordinates the convergence check follows.
         scalars = [torch.as_tensor(device_stats[key]).reshape(()) for key in names]
         largest = torch.stack(torch._foreach_norm(self._theta, ord=math.inf)).max()
-        read = torch.stack([s.to(largest) for s in scalars] + [largest]).tolist()
+        followed = self._monitor.coordinates(self._params).to(largest)
+        read = torch.cat([torch.stack([s.to(largest) for s in scalars] + [largest]), followed])
+        read = read.tolist()
+        self._monitor.add(read[len(names) + 1 :])
+        read = read[: len(names) + 1]
         stats = dict(zip(names, read))
         step = self._step - 1
         if not math.isfinite(read[-1]):
@@ -471,7 +621,39 @@ class SGMCMCKernel(MCMCKernel):
 
     def _diverged(self, step: int, args: tuple, kwargs: dict, symptom: str) -> None:
         cause = _Diagnosis(self, step, args, kwargs).cause(symptom)
+        if step == 0:
+            cause += f"; the chain started at {self._describe_start()}"
         self._stop(step, cause)
+
+    def _describe_start(self) -> str:
+        """Where the chain started and by which rule, in words (non-finite sites first)."""
+        init = self.init_params
+        if init is None:
+            rule = (
+                "init_params=None: lifted weights at the module's values, other sites by "
+                "pyro_bdl.lift.init_to_module"
+            )
+        elif callable(init):
+            rule = f"init_params={getattr(init, '__name__', type(init).__name__)}"
+        else:
+            rule = "the given init_params"
+        values = {
+            name: (self._bijections[name](z) if name in self._bijections else z).detach()
+            for name, z in self._initial_params.items()
+        }
+        order = sorted(values, key=lambda name: bool(torch.isfinite(values[name]).all()))
+        shown = []
+        for name in order[:6]:
+            flat = values[name].reshape(-1)
+            text = ", ".join(f"{v:.4g}" for v in flat[:3].tolist())
+            text = f"[{text}{', ...' if flat.numel() > 3 else ''}]" if values[name].dim() else text
+            bad = "" if bool(torch.isfinite(flat).all()) else " (not finite)"
+            shown.append(f"{name}={text}{bad}")
+        more = f" and {len(order) - 6} more sites" if len(order) > 6 else ""
+        return (
+            f"{', '.join(shown)}{more} ({rule}); pass init_params, e.g. a dict of values or "
+            "pyro.infer.autoguide.init_to_median, to start elsewhere"
+        )
 
     def _stop(self, step: int, cause: str) -> None:
         draws = self.get_draws()
@@ -493,6 +675,28 @@ class SGMCMCKernel(MCMCKernel):
         message = self._equilibrium_warning()
         if message:
             warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
+        # At T = 0 the chain is an optimiser: its draws are not meant to mix.
+        message = self._monitor.warning() if self.temperature > 0 else None
+        if message:
+            warnings.warn(
+                f"{type(self).__name__}: {message}; {self._convergence_advice()}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _convergence_advice(self) -> str:
+        """What to do about draws that have not converged."""
+        advice = (
+            "keep more draws (num_samples, or a larger thin) and run more warmup_steps, and "
+            "check the traces (bdl.to_arviz and bdl.diagnostics.summary)"
+        )
+        if self._adaptation is None or not self.adapt_step_size:
+            advice += (
+                f"; the step size {self.current_step_size():.3g} was not adapted: let "
+                "warm-up adapt it (adapt_step_size=True and adapt_mass_matrix=True, Pyro's "
+                "defaults, with warmup_steps > 0)"
+            )
+        return advice
 
     # -- initial values and bookkeeping ----------------------------------------------
 
@@ -644,12 +848,18 @@ class _LaggedRead:
         self._pending = None
         self._host: list[torch.Tensor] = []
 
-    def push(self, value: torch.Tensor | float, context: object) -> tuple[float, object] | None:
-        """Queue ``value``; return ``(value, context)`` of the entry now readable, if any."""
+    def push(
+        self, value: torch.Tensor | float, context: object
+    ) -> tuple[float | list[float], object] | None:
+        """Queue ``value`` (a scalar, or a vector read as a list); return ``(value,
+        context)`` of the entry now readable, if any."""
         if not torch.is_tensor(value) or value.device.type != "cuda":
-            return float(value), context
-        if not self._host or self._host[0].dtype != value.dtype:
-            self._host = [torch.empty((), dtype=value.dtype, pin_memory=True) for _ in range(2)]
+            return _read(value), context
+        host = self._host[0] if self._host else None
+        if host is None or host.dtype != value.dtype or host.shape != value.shape:
+            self._host = [
+                torch.empty(value.shape, dtype=value.dtype, pin_memory=True) for _ in range(2)
+            ]
         host = self._host[0]
         self._host.reverse()  # alternate: the other buffer may still hold the pending read
         host.copy_(value, non_blocking=True)
@@ -659,26 +869,13 @@ class _LaggedRead:
         if ready is None:
             return None
         ready[1].synchronize()
-        return float(ready[0]), ready[2]
+        return _read(ready[0]), ready[2]
 
 
-class _FlatBuffers:
-    """One flat tensor per (dtype, device) of a list of tensors, and a view per tensor."""
-
-    def __init__(self, like: list[torch.Tensor]):
-        sizes: dict[tuple, int] = {}
-        for t in like:
-            key = (t.dtype, t.device)
-            sizes[key] = sizes.get(key, 0) + t.numel()
-        self.flats = [torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()]
-        flat_of = dict(zip(sizes, self.flats))
-        offsets = dict.fromkeys(sizes, 0)
-        self.views = []
-        for t in like:
-            key = (t.dtype, t.device)
-            start = offsets[key]
-            self.views.append(flat_of[key][start : start + t.numel()].view(t.shape))
-            offsets[key] = start + t.numel()
+def _read(value: torch.Tensor | float) -> float | list[float]:
+    if torch.is_tensor(value) and value.dim() > 0:
+        return value.tolist()
+    return float(value)
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -723,6 +920,17 @@ def _non_finite_parameters(fn) -> str:
                 )
         fn = getattr(fn, "base_dist", None)
     return ", ".join(found)
+
+
+def _has_observations(trace: pyro.poutine.Trace) -> bool:
+    """Whether a trace has an observed sample site (``pyro.deterministic`` is none)."""
+    return any(
+        site["type"] == "sample"
+        and site["is_observed"]
+        and not site_is_subsample(site)
+        and not site["infer"].get("_deterministic")
+        for site in trace.nodes.values()
+    )
 
 
 def _is_real(support: torch.distributions.constraints.Constraint) -> bool:
@@ -782,7 +990,11 @@ def _placed_like(
 
 def _init_from_dict(values: Mapping[str, torch.Tensor]) -> Callable[[dict], torch.Tensor]:
     def init(site: dict) -> torch.Tensor:
-        reference = init_to_module(site)
+        # the default start gives the site's shape, dtype and device; its fallback,
+        # init_to_feasible, draws from the prior to find them, which must not move the
+        # random stream of a chain whose start is given
+        with torch.random.fork_rng(devices=[]):
+            reference = init_to_module(site)
         if site["name"] not in values:
             return reference
         value = torch.as_tensor(values[site["name"]])

@@ -2,9 +2,10 @@
 
 Layout of chain ``c``'s directory under the kernel's ``checkpoint``::
 
-    chain_<c>/state.safetensors   parameters, auxiliary state (momenta, thermostat) and RNG
-                                  states as plain tensors; settings and counters as JSON in
-                                  the file's metadata
+    chain_<c>/state.safetensors   parameters, auxiliary state (momenta, thermostat), the
+                                  warm-up adaptation (mass, squared gradients) and RNG
+                                  states as plain tensors; settings, counters and the
+                                  adapted step size as JSON in the file's metadata
     chain_<c>/draws.zarr/         the kept draws and statistics, a chunked array store
                                   (:mod:`~pyro_bdl.inference.sgmcmc.store`)
 
@@ -128,6 +129,12 @@ class Checkpoint:
                     torch._foreach_copy_(target, [s.to(t.device) for s, t in zip(saved, target)])
                 else:
                     target.copy_(tensors[f"aux/{name}"])
+        if kernel._adaptation is not None:
+            prefix = "adaptation/"
+            kernel._adaptation.load_state(
+                {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)},
+                state.get("adaptation"),
+            )
         kernel._step = state["step"]
         _set_rng_state(tensors, next(iter(kernel._params.values())).device)
         num_draws = state["num_draws"]
@@ -187,6 +194,10 @@ class Checkpoint:
                 tensors.update({f"aux/{name}/{i}": t for i, t in enumerate(value)})
             else:
                 tensors[f"aux/{name}"] = value
+        adaptation = None
+        if kernel._adaptation is not None:
+            adapted, adaptation = kernel._adaptation.state()
+            tensors.update({f"adaptation/{key}": t for key, t in adapted.items()})
         device = next(iter(kernel._params.values())).device
         tensors["rng/cpu"] = torch.get_rng_state()
         if device.type == "cuda":
@@ -197,6 +208,7 @@ class Checkpoint:
             "iteration": iterations_done,
             "step": kernel._step,
             "num_draws": self._draws.num_written,
+            "adaptation": adaptation,
         }
         partial = self.state_path.with_suffix(".tmp")
         save_file(

@@ -44,6 +44,23 @@ class SGHMC(SGMCMCKernel):
     :math:`-\log\hat p(\theta)/N` (Appendix C, eq. 10), with the momentum buffer
     starting at zero. Momenta start at zero.
 
+    **Warm-up adaptation** (``adapt_step_size`` and ``adapt_mass_matrix``, Pyro's names,
+    on by default at :math:`T > 0`): warm-up learns a diagonal mass :math:`\sigma^2 D`
+    from the squared gradients (``mass`` then scales it) and the step size; the momenta
+    are then kept whitened, :math:`u = D^{-1/2} m`, and the step is
+
+    .. math::
+
+        u &\leftarrow u + \frac{\epsilon}{N} D^{-1/2} g - \frac{\epsilon\alpha}{\sigma^2}
+            u + \sqrt{\frac{2\epsilon T\alpha}{N}}\,\xi, \\
+        \theta &\leftarrow \theta + \frac{\epsilon}{\sigma^2} D^{-1/2} u,
+
+    SGHMC with mass :math:`\sigma^2 D` and friction :math:`\alpha D` (the same damping
+    rate :math:`\alpha/\sigma^2` in every direction), fixed after warm-up. See
+    :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional.
+    ``step_size * friction / mass`` must be below 2 (the momentum's factor per step,
+    :math:`1 - \epsilon\alpha/\sigma^2`, would otherwise reach -1).
+
     **Kinetic temperature.** In equilibrium the momenta are :math:`\mathcal{N}(0,
     \sigma^2 T / N)`, so the sample statistic ``kinetic_temperature``,
     :math:`N m^\top m / (\sigma^2 d)` over the :math:`d` parameters at each kept draw,
@@ -69,23 +86,24 @@ class SGHMC(SGMCMCKernel):
 
     Example::
 
-        kernel = SGHMC(model, step_size=1e-3, friction=1.0, temperature=1.0)
-        mcmc = MCMC(kernel, num_samples=50, warmup_steps=500)
+        kernel = SGHMC(model, friction=1.0, temperature=1.0)  # step size adapted
+        mcmc = MCMC(kernel, num_samples=500, warmup_steps=500)
         mcmc.run(train_loader, len(train_set))
 
     :param callable model: a Pyro model.
-    :param float step_size: :math:`\epsilon`.
+    :param float step_size: :math:`\epsilon` (with adaptation, where it starts).
     :param float friction: :math:`\alpha \ge 0`.
     :param float mass: :math:`\sigma^2 > 0`.
     :param float temperature: :math:`T \ge 0`.
-    :param kwargs: ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint``
-        and the rest of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+    :param kwargs: ``adapt_step_size``, ``adapt_mass_matrix``, ``target_excess``,
+        ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint`` and the rest
+        of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
 
     def __init__(
         self,
         model,
-        step_size: float,
+        step_size: float | None = None,
         friction: float = 1.0,
         mass: float = 1.0,
         temperature: float = 1.0,
@@ -94,13 +112,21 @@ class SGHMC(SGMCMCKernel):
         super().__init__(model, step_size, temperature, **kwargs)
         self.friction = real("friction", friction, non_negative=True)
         self.mass = real("mass", mass, positive=True)
+        damping = None if self.step_size is None else self.step_size * self.friction / self.mass
+        if damping is not None and damping >= 2:
+            raise ValueError(
+                f"step_size * friction / mass must be below 2, got {self.step_size:g} * "
+                f"{self.friction:g} / {self.mass:g} = {damping:g}: each step multiplies the "
+                f"momentum by 1 - step_size * friction / mass = {1 - damping:g}, so it grows "
+                "without bound; lower step_size or friction, or raise mass (below 1 the "
+                "momentum keeps its sign, as SGD's momentum)"
+            )
 
     def hyperparameters(self) -> dict:
         return {**super().hyperparameters(), "friction": self.friction, "mass": self.mass}
 
     def _init_state(self, theta: list[torch.Tensor]) -> None:
         self.momenta = [torch.zeros_like(t) for t in theta]
-        self.dimension = sum(t.numel() for t in theta)
 
     def _state(self) -> dict[str, object]:
         return {"momenta": self.momenta}
@@ -114,22 +140,67 @@ class SGHMC(SGMCMCKernel):
         """:math:`m^\\top m / \\sigma^2` on the device (twice the kinetic energy)."""
         return torch.stack(torch._foreach_norm(self.momenta)).square().sum() / self.mass
 
+    def _decay(self, step_size: float) -> float | torch.Tensor:
+        """The momenta's factor per step, ``1 - step_size * friction / mass``."""
+        return 1 - step_size * self.friction / self.mass
+
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
-        m = self.momenta
-        torch._foreach_mul_(m, 1 - step_size * self.friction / self.mass)
-        torch._foreach_add_(m, grads, alpha=step_size / self.num_data)
+        m, num_data = self.momenta, self.num_data
+        torch._foreach_mul_(m, self._decay(step_size))
+        if self._scale is None:
+            torch._foreach_add_(m, grads, alpha=step_size / num_data)
+        else:
+            # With an adapted diagonal mass sigma^2 D the momenta are whitened by D^{1/2}:
+            # the noise and the friction stay scalars, the kinetic energy m^T m / sigma^2.
+            torch._foreach_addcmul_(m, grads, self._scale, value=step_size / num_data)
         if self.temperature > 0:
-            noise_scale = math.sqrt(
-                2 * step_size * self.temperature * self.friction / self.num_data
-            )
+            noise_scale = math.sqrt(2 * step_size * self.temperature * self.friction / num_data)
             torch._foreach_add_(m, self.standard_normal(), alpha=noise_scale)
-        torch._foreach_add_(theta, m, alpha=step_size / self.mass)
+        if self._scale is None:
+            torch._foreach_add_(theta, m, alpha=step_size / self.mass)
+        else:
+            torch._foreach_addcmul_(theta, m, self._scale, value=step_size / self.mass)
+
+    # -- warm-up adaptation ----------------------------------------------------------
+
+    #: Time runs as the square root of mass over curvature.
+    _step_exponent = 0.5
+
+    def _max_adapted_step_size(self) -> float:
+        # step_size * friction / mass <= 1: the momentum keeps its sign, as SGD's does.
+        return self.mass / self.friction if self.friction > 0 else math.inf
+
+    def _relaxation_rate(self) -> float:
+        # the kinetic energy forgets at the friction's rate
+        return self.friction / self.mass
+
+    def _free_kinetic_temperature(self, step_size: float) -> float:
+        """The kinetic temperature of these discretised momenta for a free particle."""
+        return self.temperature / (1 - step_size * self.friction / (2 * self.mass))
+
+    def _adaptation_statistic(self, step_size: float) -> torch.Tensor:
+        kinetic = self.kinetic_energy() * (self.num_data / self.dimension)
+        return kinetic / self._free_kinetic_temperature(step_size) - 1
+
+    def _refresh(self) -> None:
+        # A Gibbs draw of the momenta from their stationary law, independent of theta.
+        variance = self.mass * self._free_kinetic_temperature(self.current_step_size())
+        torch._foreach_mul_(self.momenta, 0.0)
+        torch._foreach_add_(
+            self.momenta, self.standard_normal(), alpha=math.sqrt(variance / self.num_data)
+        )
 
     # -- equilibrium -----------------------------------------------------------------
 
     def _kinetic_target(self) -> float:
-        """The expected kinetic temperature of this discretisation in equilibrium."""
-        return self.temperature / (1 - self.step_size * self.friction / (2 * self.mass))
+        """The expected kinetic temperature of this discretisation in equilibrium (with
+        an adapted step size, the excess it was tuned to included)."""
+        return self._free_kinetic_temperature(self.adapted_step_size) * self._tuned_excess()
+
+    def _tuned_excess(self) -> float:
+        """1 + the excess the step size was tuned to (1 when it was not tuned)."""
+        tuned = self._adaptation is not None and self.adapt_step_size
+        return 1 + self.target_excess if tuned else 1.0
 
     def _equilibrium_warning(self) -> str | None:
         values = np.asarray(self._stats["kinetic_temperature"], dtype=float)

@@ -28,6 +28,19 @@ class SGLD(SGMCMCKernel):
     at :math:`T = 0` it is SGD with learning rate :math:`\epsilon` on
     :math:`-\log \hat p(\theta)/N`.
 
+    **Warm-up adaptation** (``adapt_step_size`` and ``adapt_mass_matrix``, Pyro's names,
+    on by default): warm-up learns a diagonal preconditioner :math:`D^{-1}` from the
+    squared gradients and the step size, and the step is then
+
+    .. math::
+
+        \theta \leftarrow \theta + \frac{\epsilon}{N} D^{-1} g
+            + \sqrt{\frac{2 \epsilon T}{N}}\, D^{-1/2} \xi,
+
+    fixed after warm-up, so its stationary law is still the posterior's (a constant
+    preconditioner needs no correction term). See
+    :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional.
+
     **References**
 
     [1] M. Welling, Y. W. Teh. Bayesian learning via stochastic gradient Langevin
@@ -36,21 +49,48 @@ class SGLD(SGMCMCKernel):
 
     Example::
 
-        mcmc = MCMC(SGLD(model, step_size=1e-3), num_samples=100, warmup_steps=1000)
+        mcmc = MCMC(SGLD(model), num_samples=1000, warmup_steps=1000)
         mcmc.run(train_loader, len(train_set))
 
     :param callable model: a Pyro model.
-    :param float step_size: :math:`\epsilon`.
+    :param float step_size: :math:`\epsilon` (with adaptation, where it starts).
     :param float temperature: :math:`T \ge 0`.
-    :param kwargs: ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint``
-        and the rest of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+    :param kwargs: ``adapt_step_size``, ``adapt_mass_matrix``, ``target_excess``,
+        ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint`` and the rest
+        of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
 
-    def __init__(self, model, step_size: float, temperature: float = 1.0, **kwargs):
+    def __init__(self, model, step_size: float | None = None, temperature: float = 1.0, **kwargs):
         super().__init__(model, step_size, temperature, **kwargs)
 
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
-        torch._foreach_add_(theta, grads, alpha=step_size / self.num_data)
+        scale, num_data = self._scale, self.num_data
+        noise_scale = math.sqrt(2 * step_size * self.temperature / num_data)
+        if scale is None:
+            if self._adapting:
+                self._drift_norm = _squared_norm(grads)
+            torch._foreach_add_(theta, grads, alpha=step_size / num_data)
+            if self.temperature > 0:
+                torch._foreach_add_(theta, self.standard_normal(), alpha=noise_scale)
+            return
+        # theta += D^{-1/2} (eps / N D^{-1/2} g + sqrt(2 eps T / N) xi), built in the
+        # gradient tensors, which belong to this step.
+        torch._foreach_mul_(grads, scale)
+        if self._adapting:
+            self._drift_norm = _squared_norm(grads)
         if self.temperature > 0:
-            noise_scale = math.sqrt(2 * step_size * self.temperature / self.num_data)
-            torch._foreach_add_(theta, self.standard_normal(), alpha=noise_scale)
+            torch._foreach_add_(
+                grads, self.standard_normal(), alpha=noise_scale * num_data / step_size
+            )
+        torch._foreach_addcmul_(theta, grads, scale, value=step_size / num_data)
+
+    def _adaptation_statistic(self, step_size: float) -> torch.Tensor:
+        # SGLD is SGHMC with step_size * friction / mass = 1: its momentum, fresh noise
+        # plus the kick, exceeds a free particle's kinetic temperature by
+        # eps |D^{-1/2} g|^2 / (2 T N d) on average.
+        scale = 2 * self.temperature * self.num_data * self.dimension
+        return self._drift_norm * (step_size / scale)
+
+
+def _squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm(tensors)).square().sum()

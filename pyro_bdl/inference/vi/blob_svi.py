@@ -34,8 +34,9 @@ device: the statistics it returns are tensors, read when the caller wants them.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pyro
 import torch
@@ -90,6 +91,19 @@ class BLoBSVI:
     :func:`~pyro_bdl.inference.vi.kl_weights.blob_kl_cycle` minibatches, or :math:`1/M`
     with :math:`M` the minibatches per epoch (``kl_weighting="uniform"``).
 
+    A step in parts, for gradient accumulation (the Hugging Face Trainer's
+    :class:`~pyro_bdl.hf.BLoBTrainer` takes its steps so): :meth:`accumulate` once per
+    microbatch, then :meth:`update`. The microbatches of a step share one draw of the
+    weight noise :math:`E`, their NLL gradients are averaged (and across the ranks of a
+    ``torchrun`` job), and the KL weight is that of the step's whole batch, so that
+    :math:`k` microbatches of :math:`B` take the step of one batch of :math:`kB` (with
+    flipout, whose signs are drawn per example, the same step in distribution).
+    :meth:`step` is one microbatch and an update.
+
+    With ``max_grad_norm`` the NLL gradient of the means (:math:`M`, the B matrices and
+    every point weight, what AdamW steps) is clipped to that norm before the AdamW step,
+    as plain LoRA training clips its weights' gradient; :math:`G` and the KL are not.
+
     **References**
 
     [1] Y. Wang et al., "BLoB", NeurIPS 2024: Algorithm 1, Appendix B.1, Tables 3 and 4;
@@ -101,6 +115,10 @@ class BLoBSVI:
         svi = BLoBSVI(model, guide, num_steps=5000, lr=5e-4, kl_lr=0.002)
         for batch in batches:
             svi.step(batch, num_data)
+
+        for microbatch in microbatches:           # gradient accumulation
+            svi.accumulate(microbatch, num_data)
+        svi.update()
 
     :param callable model: a Pyro model with a ``bdl.observe`` likelihood.
     :param MeanFieldGuide guide: a :class:`~pyro_bdl.inference.BLoBGuide` (any
@@ -114,6 +132,10 @@ class BLoBSVI:
     :param float gamma: :math:`\gamma` of the dataset rescaling (Table 4: 8).
     :param str schedule: ``"linear"`` decay after the warm-up (Table 3) or ``"constant"``
         (see :func:`~pyro_bdl.inference.vi.blob_svi.warmup_schedule`).
+    :param float max_grad_norm: clip the means' NLL gradient to this norm (None: no clip).
+    :param callable backward: how a microbatch's loss is back-propagated (default
+        ``loss.backward()``; the Trainer passes its ``accelerator.backward``, which scales
+        fp16 losses).
     """
 
     def __init__(
@@ -129,6 +151,8 @@ class BLoBSVI:
         kl_weighting: str = "exponential",
         gamma: float = 8.0,
         schedule: str = "linear",
+        max_grad_norm: float | None = None,
+        backward: Callable[[torch.Tensor], None] | None = None,
     ):
         function("model", model, "a Pyro model (a callable)")
         instance("guide", guide, MeanFieldGuide, "a BLoBGuide or MeanFieldGuide")
@@ -140,6 +164,10 @@ class BLoBSVI:
         one_of("kl_weighting", kl_weighting, _KL_WEIGHTINGS)
         gamma = real("gamma", gamma, positive=True)
         one_of("schedule", schedule, _SCHEDULES)
+        if max_grad_norm is not None:
+            max_grad_norm = real("max_grad_norm", max_grad_norm, positive=True)
+        if backward is not None:
+            function("backward", backward, "a callable loss -> None, e.g. accelerator.backward")
         self.model = model
         self.guide = guide
         self.num_steps = num_steps
@@ -150,52 +178,109 @@ class BLoBSVI:
         self.kl_weighting = kl_weighting
         self.gamma = gamma
         self.schedule = schedule
+        self.max_grad_norm = max_grad_norm
+        self.backward = backward or torch.Tensor.backward
         self.step_count = 0
         self.num_data: int | None = None
         self.kl_cycle: int | None = None
+        self._batch_size: int | None = None  # examples of a microbatch
         self._optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None = None
-        self._schedulers: list[torch.optim.lr_scheduler.LambdaLR] = []
         self._pending: list[dict] | None = None  # optimiser states loaded before the first step
+        self._window: _Window | None = None  # the step being accumulated
+        self._grad_tensors: list[torch.Tensor] = []
 
     def step(self, *args, **kwargs) -> dict[str, torch.Tensor | float]:
         """Take one step on the minibatch that ``args`` and ``kwargs`` hold.
 
         :return: the step's mean NLL and KL (0-d tensors on the model's device: reading
-            them, e.g. with ``float()``, waits for the device) and its KL weight.
+            them, e.g. with ``float()``, waits for the device), its KL weight and, with
+            ``max_grad_norm``, the means' gradient norm before the clip.
+        """
+        self.accumulate(*args, **kwargs)
+        return self.update()
+
+    def accumulate(self, *args, **kwargs) -> torch.Tensor:
+        """Add the NLL gradient of one microbatch to the step being accumulated.
+
+        The first microbatch of a step draws the weight noise; the others reuse it.
+
+        :return: the microbatch's mean NLL (a 0-d tensor on the model's device).
         """
         self.guide._ensure_setup(*args, **kwargs)
-        draws, _, _ = self.guide.draw()
+        if self._window is None:
+            self._window = _Window(_NoiseState(self.guide.flat_parameters()[0][0].device))
+        window = self._window
+        with window.noise.replay():
+            draws, _, _ = self.guide.draw()
         # The first step validates the model's distributions (labels in their support,
         # ...); later steps skip the checks, each a device sync.
         with pyro.validation_enabled(self._optimizers is None), _Substitute(draws) as run:
             self.model(*args, **kwargs)
         if self._optimizers is None:
             self._setup(run)
-        likelihood_optimizer, kl_optimizer = self._optimizers
-
+        if window.count == 0:  # the sums of the step's gradients start here
+            for param in self._grad_tensors:
+                param.grad = torch.zeros_like(param)
         nll = -_log_likelihood(run.observed) / self.num_data
-        nll.backward()
+        self.backward(nll)
+        window.add(nll.detach(), run.priors)
+        return nll.detach()
+
+    def reduce_gradients(self) -> None:
+        """Average the accumulated gradients over the step's microbatches and ranks.
+
+        :meth:`update` calls it; a loop that checks the gradients between the last
+        microbatch and the update (a loss scaler, for one) calls it first, as
+        ``DistributedDataParallel`` averages during the last backward pass.
+        """
+        window = self._window
+        if window is None or window.reduced:
+            return
+        grads = [param.grad for param in self._grad_tensors]
+        window.microbatches = distributed.mean_of_sums_([*grads, window.nll], window.count)
+        window.reduced = True
+
+    def update(self, lr: float | None = None, kl_lr: float | None = None) -> dict:
+        """Take the step with the microbatches accumulated since the last update.
+
+        :param float lr: AdamW's learning rate for this step (default: ``lr`` times the
+            schedule's factor; the Trainer passes its scheduler's).
+        :param float kl_lr: SGD's learning rate for this step (likewise).
+        :return: as :meth:`step`.
+        """
+        if self._window is None:
+            raise RuntimeError("BLoBSVI.update: call accumulate(...) with a microbatch first")
+        self.reduce_gradients()
+        window, self._window = self._window, None
+        if self.kl_cycle is None:
+            self._set_kl_cycle(self._batch_size * window.microbatches)
+        likelihood_optimizer, kl_optimizer = self._optimizers
+        factor = self._schedule(self.step_count)
+        _set_lr(likelihood_optimizer, self.lr * factor if lr is None else lr)
+        _set_lr(kl_optimizer, self.kl_lr * factor if kl_lr is None else kl_lr)
+        record = {}
+        if self.max_grad_norm is not None:
+            means = likelihood_optimizer.param_groups[0]["params"]
+            record["grad_norm"] = torch.nn.utils.clip_grad_norm_(means, self.max_grad_norm)
         likelihood_optimizer.step()
         # G is not AdamW's: it keeps its NLL gradient for the SGD step below.
         likelihood_optimizer.zero_grad(set_to_none=True)
 
-        kl = self._kl(run.priors)
+        kl = self._kl(window.priors)
         kl_weight = _KL_WEIGHTINGS[self.kl_weighting](self.step_count, self.kl_cycle)
         (kl_weight * kl).backward()
         kl_optimizer.step()
         kl_optimizer.zero_grad(set_to_none=True)
-
-        for scheduler in self._schedulers:
-            scheduler.step()
         self.step_count += 1
-        return {"nll": nll.detach(), "kl": kl.detach(), "kl_weight": kl_weight}
+        return {"nll": window.nll, "kl": kl.detach(), "kl_weight": kl_weight, **record}
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` :meth:`accumulate` fills: the means, the point
+        weights and :math:`G` (empty before the first microbatch)."""
+        return list(self._grad_tensors)
 
     def _setup(self, run: _Substitute) -> None:
-        self.num_data, batch_size = _data_sizes(run.observed)
-        if self.kl_weighting == "exponential":
-            self.kl_cycle = blob_kl_cycle(self.num_data, batch_size, self.gamma)
-        else:
-            self.kl_cycle = math.ceil(self.num_data / batch_size)
+        self.num_data, self._batch_size = _data_sizes(run.observed)
         flat = self.guide.flat_parameters()
         locs = [loc for loc, _ in flat]
         scale_params = [raw for _, raw in flat]
@@ -209,20 +294,23 @@ class BLoBSVI:
             foreach=True,
         )
         kl_optimizer = torch.optim.SGD([*locs, *scale_params], lr=self.kl_lr, foreach=True)
-        # data-parallel (torchrun): both optimisers average their gradients across ranks
-        self._optimizers = tuple(
-            map(distributed.average_gradients_at_each_step, (likelihood_optimizer, kl_optimizer))
-        )
-        self._schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule)
-            for optimizer in self._optimizers
-        ]
-        for optimizer in self._optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        self._restore_optimizers()
+        self._optimizers = (likelihood_optimizer, kl_optimizer)
+        self._grad_tensors = [*locs, *point_weights, *scale_params]
+        if self._pending is not None:
+            for optimizer, saved in zip(self._optimizers, self._pending):
+                optimizer.load_state_dict(saved)
+            self._pending = None
+
+    def _set_kl_cycle(self, batch_size: int) -> None:
+        # the step's whole batch: every microbatch of every rank
+        if self.kl_weighting == "exponential":
+            self.kl_cycle = blob_kl_cycle(self.num_data, batch_size, self.gamma)
+        else:
+            self.kl_cycle = math.ceil(self.num_data / batch_size)
 
     def state_dict(self) -> dict:
-        """The training state to resume step for step: the step count and both optimisers'.
+        """The training state to resume step for step: the step count, the KL cycle and
+        both optimisers' states.
 
         The guide holds the variational parameters and the model's point weights (its own
         ``state_dict``); ``bdl.save(svi, directory)`` writes both.
@@ -231,24 +319,19 @@ class BLoBSVI:
             optimizers = self._pending
         else:
             optimizers = [optimizer.state_dict() for optimizer in self._optimizers]
-        return {"step_count": self.step_count, "optimizers": optimizers}
+        return {"step_count": self.step_count, "kl_cycle": self.kl_cycle, "optimizers": optimizers}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a :meth:`state_dict`; before the first step, the optimisers (made
         then) take it when they are made."""
         self.step_count = int(state["step_count"])
-        self._pending = state["optimizers"]
-        if self._optimizers is not None:
-            self._restore_optimizers()
-
-    def _restore_optimizers(self) -> None:
-        if self._pending is None:
+        cycle = state.get("kl_cycle")
+        self.kl_cycle = None if cycle is None else int(cycle)
+        if self._optimizers is None:
+            self._pending = state["optimizers"]
             return
-        for optimizer, saved, scheduler in zip(self._optimizers, self._pending, self._schedulers):
-            optimizer.load_state_dict(saved)  # its learning rate is the saved step's
-            scheduler.last_epoch = self.step_count
-            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-        self._pending = None
+        for optimizer, saved in zip(self._optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
 
     def _init_settings(self) -> dict:
         # the constructor's arguments, for bdl.save
@@ -261,6 +344,7 @@ class BLoBSVI:
             "kl_weighting": self.kl_weighting,
             "gamma": self.gamma,
             "schedule": self.schedule,
+            "max_grad_norm": self.max_grad_norm,
         }
 
     def _schedule(self, step: int) -> float:
@@ -271,6 +355,57 @@ class BLoBSVI:
             return self.guide.kl(priors)
         except ValueError as error:
             raise ValueError(f"BLoBSVI: {error}; BLoB's eq. 11 needs it") from None
+
+
+class _NoiseState:
+    """The random number generators' state before a step's draw, to draw its noise again.
+
+    The microbatches of an accumulated step share one draw of :math:`E`; each must run
+    the guide's draw afresh (its graph is freed by the microbatch's backward pass), so
+    each replays the generators from the same state, leaving the process's own alone.
+    """
+
+    def __init__(self, device: torch.device):
+        self.devices = [device] if device.type == "cuda" else []
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(device) for device in self.devices]
+        self.replays = 0
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """The first use draws from the process's generators; later ones from a copy of
+        their state then."""
+        self.replays += 1
+        if self.replays == 1:
+            yield
+            return
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.devices, self.cuda):
+                torch.cuda.set_rng_state(state, device)
+            yield
+
+
+class _Window:
+    """The step being accumulated: its noise, the summed NLL and the model's priors."""
+
+    def __init__(self, noise: _NoiseState):
+        self.noise = noise
+        self.count = 0
+        self.nll: torch.Tensor | None = None
+        self.priors: dict = {}
+        self.reduced = False
+        self.microbatches = 1  # of every rank, once reduced
+
+    def add(self, nll: torch.Tensor, priors: dict) -> None:
+        self.count += 1
+        self.nll = nll.clone() if self.nll is None else self.nll + nll
+        self.priors = priors
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 class _Substitute(Messenger):
@@ -315,6 +450,7 @@ def fit_blob(
     kl_weighting: str = "exponential",
     gamma: float = 8.0,
     schedule: str = "linear",
+    max_grad_norm: float | None = None,
     progress: bool = True,
     **kwargs,
 ) -> dict[str, list[float]]:
@@ -349,6 +485,7 @@ def fit_blob(
         kl_weighting=kl_weighting,
         gamma=gamma,
         schedule=schedule,
+        max_grad_norm=max_grad_norm,
     )
     batches = Minibatches(args, kwargs)
     records: list[dict] = []

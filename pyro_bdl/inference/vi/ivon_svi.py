@@ -63,6 +63,18 @@ class IVONSVI:
     :math:`m` and :math:`h`; this object holds the momentum :math:`g` and the step count.
     Point weights of the model (``pyro.param`` sites) keep their values.
 
+    A step in parts, for gradient accumulation (as the Hugging Face Trainer's
+    :class:`~pyro_bdl.hf.IVONTrainer` takes its steps): :meth:`accumulate` once per
+    microbatch, then :meth:`update`. The microbatches of a step share its weight draws
+    :math:`\epsilon`; their :math:`\hat g` and :math:`\hat g \cdot \epsilon` are averaged
+    (and across the ranks of a ``torchrun`` job), so that :math:`k` microbatches of
+    :math:`B` take the step of one batch of :math:`kB`, Hessian estimate included. Between
+    the two, ``m.grad`` holds :math:`\hat g` and ``h.grad`` holds :math:`\hat g \cdot
+    \epsilon` (``guide.loc`` and ``guide.hess``), so that whatever acts on gradients
+    between the backward passes and a step (a loss scaler's unscaling) acts on them.
+    With ``max_grad_norm`` :math:`\hat g` is clipped to that norm before the update, as
+    plain training clips its weights' gradient; :math:`\hat h` is not.
+
     **References**
 
     [1] Y. Shen et al., "Variational Learning is Effective for Large Deep Networks",
@@ -87,6 +99,9 @@ class IVONSVI:
         preconditioned update (``inf``: none, as in ``ivon-opt``).
     :param callable schedule: ``t -> multiplier`` of ``lr`` at step ``t`` (from 0), e.g.
         a cosine decay; see :mod:`~pyro_bdl.inference.sgmcmc.schedules`.
+    :param float max_grad_norm: clip :math:`\hat g` to this norm (None: no clip).
+    :param callable backward: how a loss is back-propagated (default ``loss.backward()``;
+        the Trainer passes its ``accelerator.backward``, which scales fp16 losses).
     """
 
     def __init__(
@@ -100,6 +115,8 @@ class IVONSVI:
         mc_samples: int = 1,
         clip_radius: float = math.inf,
         schedule: Callable[[int], float] | None = None,
+        max_grad_norm: float | None = None,
+        backward: Callable[[torch.Tensor], None] | None = None,
     ):
         self.model = _checks.function("model", model, "a Pyro model (a callable)")
         self.guide = _checks.instance("guide", guide, IVONGuide, "an IVONGuide")
@@ -111,8 +128,15 @@ class IVONSVI:
         if schedule is not None:
             _checks.function("schedule", schedule, "a callable t -> learning-rate multiplier")
         self.schedule = schedule
+        if max_grad_norm is not None:
+            max_grad_norm = _checks.real("max_grad_norm", max_grad_norm, positive=True)
+        self.max_grad_norm = max_grad_norm
+        if backward is not None:
+            _checks.function("backward", backward, "a callable loss -> None")
+        self.backward = backward or torch.Tensor.backward
         self.momentum: torch.Tensor | None = None
         self.step_count = 0
+        self._window: _Draws | None = None  # the step being accumulated
         #: :math:`\beta_2^t`: the weight that ``hess_init`` still has in :math:`h`
         self.hess_init_weight = 1.0
 
@@ -122,36 +146,74 @@ class IVONSVI:
         :return: the mean over the MC samples of :math:`\\bar\\ell(\\theta)`, a 0-d tensor
             on the model's device.
         """
-        guide = self.guide
+        self.accumulate(*args, **kwargs)
+        return self.update()["loss"]
+
+    def accumulate(self, *args, **kwargs) -> torch.Tensor:
+        """Add one microbatch's :math:`\\hat g` and :math:`\\hat g \\cdot \\epsilon`, at the
+        step's weight draws (drawn by its first microbatch), to the step being accumulated.
+
+        :return: the microbatch's mean over the MC samples of :math:`\\bar\\ell(\\theta)`.
+        """
         if self.momentum is None:
             self._setup(args, kwargs)
-        m, h = guide.loc.unconstrained(), guide.hess.unconstrained()
-        with torch.no_grad():
-            precision = h + guide._delta
-            scale = (precision * guide.ess).rsqrt_()
-        loss, grad, noise_grad = 0.0, torch.zeros_like(m), torch.zeros_like(m)
-        for _ in range(self.mc_samples):
-            with torch.no_grad():
-                # The draw of ivon-opt: one randn over all weights, in the sites' order.
-                noise = torch.randn(m.shape, dtype=m.dtype, device=m.device).mul_(scale)
-                distributed.broadcast_([noise])  # data-parallel: rank 0's draw everywhere
-                theta = m + noise
-            sample_loss = self._loss(theta.requires_grad_(), args, kwargs)
+        if self._window is None:
+            self._window = self._draw()
+        m, h = self.guide.loc.unconstrained(), self.guide.hess.unconstrained()
+        loss = 0.0
+        for noise in self._window.noises:
+            theta = (m.detach() + noise).requires_grad_()
+            sample_loss = self._loss(theta, args, kwargs)
             if sample_loss.requires_grad:  # else the likelihood ignores the weights
-                (sample_grad,) = torch.autograd.grad(sample_loss, theta)
+                self.backward(sample_loss)
                 with torch.no_grad():
-                    grad.add_(sample_grad)
-                    noise_grad.addcmul_(noise, sample_grad)
+                    m.grad.add_(theta.grad)
+                    h.grad.addcmul_(noise, theta.grad)
             loss = loss + sample_loss.detach()
+        self._window.add(loss)
+        return loss / self.mc_samples
+
+    def reduce_gradients(self) -> None:
+        """Average :math:`\\hat g` and :math:`\\hat g \\cdot \\epsilon` over the MC samples,
+        the step's microbatches and the ranks (:meth:`update` calls it; a loop that
+        checks the gradients before the update calls it first)."""
+        window = self._window
+        if window is None or window.reduced:
+            return
+        m, h = self.guide.loc.unconstrained(), self.guide.hess.unconstrained()
+        # sums over every MC sample of every microbatch
+        distributed.mean_of_sums_([m.grad, h.grad, window.loss], window.count * self.mc_samples)
+        window.reduced = True
+
+    def update(self, lr: float | None = None) -> dict[str, torch.Tensor]:
+        """Take the step with the microbatches accumulated since the last update.
+
+        :param float lr: the learning rate of this step (default ``lr`` times the
+            schedule's multiplier; the Trainer passes its scheduler's).
+        :return: ``{"loss": ...}``, the step's mean :math:`\\bar\\ell(\\theta)` (and, with
+            ``max_grad_norm``, ``"grad_norm"``, the norm of :math:`\\hat g` before the clip).
+        """
+        if self._window is None:
+            raise RuntimeError("IVONSVI.update: call accumulate(...) with a microbatch first")
+        self.reduce_gradients()
+        window, self._window = self._window, None
+        m, h = self.guide.loc.unconstrained(), self.guide.hess.unconstrained()
+        record = {"loss": window.loss}
+        if self.max_grad_norm is not None:
+            record["grad_norm"] = torch.nn.utils.clip_grad_norm_([m], self.max_grad_norm)
+        if lr is None:
+            lr = self.lr * (self.schedule(self.step_count) if self.schedule is not None else 1.0)
         with torch.no_grad():
-            # data-parallel (torchrun): the global batch's gradient and Hessian estimate
-            distributed.all_reduce_([grad, noise_grad], op="mean")
-            if self.mc_samples > 1:
-                grad.div_(self.mc_samples)
-                noise_grad.div_(self.mc_samples)
-                loss = loss / self.mc_samples
-            self._update(m, h, grad, noise_grad, precision)
-        return loss
+            self._update(m, h, m.grad, h.grad, window.precision, lr)
+        m.grad, h.grad = None, None
+        return record
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` :meth:`accumulate` fills: :math:`m` and :math:`h`
+        (empty before the first microbatch)."""
+        if self.momentum is None:
+            return []
+        return [self.guide.loc.unconstrained(), self.guide.hess.unconstrained()]
 
     def _setup(self, args: tuple, kwargs: dict) -> None:
         self.guide._ensure_setup(*args, **kwargs)
@@ -167,10 +229,28 @@ class IVONSVI:
                 f"IVONSVI trains the model's random sites only; its point weights {point[:3]}"
                 f"{' ...' if len(point) > 3 else ''} (pyro.param) keep their values. {fix} "
                 "to train them with IVON",
-                stacklevel=3,
+                stacklevel=4,
             )
         self.momentum = torch.zeros_like(self.guide.loc.unconstrained())
         distributed.broadcast_([self.guide.loc.unconstrained(), self.guide.hess.unconstrained()])
+
+    def _draw(self) -> _Draws:
+        """The step's weight noise, :math:`\\epsilon \\sim \\mathcal{N}(0, 1 / (\\lambda (h +
+        \\delta)))` per MC sample, and the precision :math:`h + \\delta` it was drawn at."""
+        guide = self.guide
+        m, h = guide.loc.unconstrained(), guide.hess.unconstrained()
+        with torch.no_grad():
+            precision = h + guide._delta
+            scale = (precision * guide.ess).rsqrt_()
+            # The draws of ivon-opt: one randn over all weights per sample, in the sites' order.
+            noises = [
+                torch.randn(m.shape, dtype=m.dtype, device=m.device).mul_(scale)
+                for _ in range(self.mc_samples)
+            ]
+        distributed.broadcast_(noises)  # data-parallel: rank 0's draws everywhere
+        # the sums of the step's gradients start here
+        m.grad, h.grad = torch.zeros_like(m), torch.zeros_like(h)
+        return _Draws(noises, precision)
 
     def state_dict(self) -> dict:
         """The training state (momentum :math:`g`, step count and the weight of ``hess_init``
@@ -204,6 +284,7 @@ class IVONSVI:
             "mc_samples": self.mc_samples,
             "clip_radius": self.clip_radius,
             "schedule": self.schedule,
+            "max_grad_norm": self.max_grad_norm,
         }
 
     def _loss(self, theta: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -228,12 +309,12 @@ class IVONSVI:
         grad: torch.Tensor,
         noise_grad: torch.Tensor,
         precision: torch.Tensor,
+        lr: float,
     ) -> None:
         """Algorithm 1's update in place, given the averaged :math:`\\hat g` and
         :math:`\\hat g \\cdot \\epsilon`; ``precision`` is the :math:`h + \\delta` of the draw."""
         guide, beta1, beta2 = self.guide, self.beta1, self.beta2
         delta = guide._delta
-        lr = self.lr * (self.schedule(self.step_count) if self.schedule is not None else 1.0)
         self.step_count += 1
         self.hess_init_weight *= beta2
         self.momentum.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -249,6 +330,22 @@ class IVONSVI:
         m.sub_(update.mul_(delta + guide.hess_init), alpha=lr)
 
 
+class _Draws:
+    """The step being accumulated: its weight noise, and the loss summed over its MC
+    samples and microbatches."""
+
+    def __init__(self, noises: list[torch.Tensor], precision: torch.Tensor):
+        self.noises = noises
+        self.precision = precision
+        self.count = 0
+        self.loss: torch.Tensor | None = None
+        self.reduced = False
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.count += 1
+        self.loss = loss.clone() if self.loss is None else self.loss + loss
+
+
 def fit_ivon(
     model: Callable,
     guide: IVONGuide,
@@ -260,6 +357,7 @@ def fit_ivon(
     mc_samples: int = 1,
     clip_radius: float = math.inf,
     schedule: Callable[[int], float] | str | None = "cosine",
+    max_grad_norm: float | None = None,
     progress: bool = True,
     **kwargs,
 ) -> dict[str, list[float]]:
@@ -309,6 +407,7 @@ def fit_ivon(
         mc_samples=mc_samples,
         clip_radius=clip_radius,
         schedule=_learning_rate_schedule(schedule, num_steps),
+        max_grad_norm=max_grad_norm,
     )
     batches = Minibatches(args, kwargs)
     losses: list[torch.Tensor] = []
@@ -351,7 +450,7 @@ def _learning_rate_schedule(
     return lambda t: 0.5 * (1.0 + math.cos(math.pi * t / num_steps))
 
 
-def _warn_if_hess_init_remains(svi: IVONSVI, num_steps: int) -> None:
+def _warn_if_hess_init_remains(svi: IVONSVI, num_steps: int, caller: str = "fit_ivon") -> None:
     """Warn when ``hess_init`` still makes up much of :math:`h`: the variances are then the
     initial guess's, not the data's (one read of the device, after the run)."""
     guide = svi.guide
@@ -361,11 +460,11 @@ def _warn_if_hess_init_remains(svi: IVONSVI, num_steps: int) -> None:
     if svi.hess_init_weight <= HESS_INIT_SHARE and share <= HESS_INIT_SHARE:
         return
     warnings.warn(
-        f"fit_ivon: after num_steps={num_steps} steps at beta2={svi.beta2}, the Hessian "
+        f"{caller}: after num_steps={num_steps} steps at beta2={svi.beta2}, the Hessian "
         f"estimate h still holds {svi.hess_init_weight:.0%} of hess_init={guide.hess_init}, "
         f"which makes up {share:.0%} of the posterior precision h + delta (median over the "
         "weights): the posterior's variances are not yet the data's. Raise num_steps, lower "
-        f"beta2 (fit_ivon's default for this run is {_default_beta2(num_steps):.4g}, "
+        f"beta2 (the default for this run is {_default_beta2(num_steps):.4g}, "
         "1 - 5 / num_steps) or set hess_init near the data's curvature",
         stacklevel=3,
     )

@@ -115,8 +115,18 @@ def test_state_is_safetensors_with_json_settings_and_rng(tmp_path):
     with safe_open(path, framework="pt") as handle:
         keys = set(handle.keys())
         state = json.loads(handle.metadata()["state"])
-    assert keys == {"theta/weight", "theta/bias", "aux/momenta/0", "aux/momenta/1", "rng/cpu"}
+    adapted = {f"adaptation/{name}/0" for name in ("scale", "means", "squares")}
+    assert keys == {
+        "theta/weight",
+        "theta/bias",
+        "aux/momenta/0",
+        "aux/momenta/1",
+        "rng/cpu",
+        *adapted,
+    }
     assert state["settings"]["method"] == "SGHMC" and state["num_draws"] == 3
+    assert state["settings"]["adapt_step_size"] and state["settings"]["adapt_mass_matrix"]
+    assert state["adaptation"]["step_size"] == kernel.adapted_step_size
     assert state["iteration"] == 4 and state["step"] == 4
     assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.tmp"))
 

@@ -8,6 +8,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import MCMC
+from pyro.infer.autoguide.initialization import init_to_mean
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
@@ -43,10 +44,10 @@ def _model(noise=0.5, prior_scale=None):
     return model
 
 
-def _diverge(kernel, x, y, warmup_steps=2, num_samples=40):
+def _diverge(kernel, x, y, warmup_steps=2, num_samples=40, data=None):
     mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=True)
     with pytest.raises(DivergenceError) as error:
-        mcmc.run(_loader(x, y), NUM_DATA)
+        mcmc.run(*((_loader(x, y), NUM_DATA) if data is None else data))
     return error.value
 
 
@@ -139,3 +140,19 @@ def test_labels_outside_the_support_in_the_first_batch_fail_at_setup():
     mcmc = MCMC(SGLD(_classifier(), step_size=1e-3), num_samples=2, disable_progbar=True)
     with pytest.raises(ObservationError, match=r"e.g. \[-1\] at batch position\(s\) \[0\]"):
         mcmc.run(_loader(x, labels), NUM_DATA)
+
+
+def test_a_divergence_at_step_0_says_where_the_chain_started():
+    # Issue 21, item 2: eight schools' tau started at the prior mean of a HalfCauchy, inf,
+    # and the error never said so. (The default start is now feasible, tau = 1: the prior
+    # mean is asked for here.)
+    def model():
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0).double(), 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(torch.tensor(5.0).double()))
+        pyro.sample("obs", dist.Normal(mu, tau), obs=torch.tensor(3.0).double())
+
+    kernel = SGLD(model, step_size=1e-3, num_data=1, init_params=init_to_mean)
+    error = _diverge(kernel, None, None, warmup_steps=0, num_samples=2, data=())
+    assert error.step == 0
+    assert "the chain started at tau=inf (not finite), mu=0" in error.cause
+    assert "init_params=init_to_mean" in error.cause and "init_to_median" in error.cause

@@ -102,13 +102,19 @@ def test_potential_energy_is_minus_the_minibatch_log_joint():
     assert potential == pytest.approx(-(log_prior + log_lik).item(), rel=1e-9)
 
 
-def test_step_size_schedule_is_recorded():
+@pytest.mark.parametrize("adapt", [False, True])
+def test_step_size_schedule_is_recorded(adapt):
+    # A schedule multiplies the given step size, or the adapted one.
     _, model = _regression()
     schedule = RobbinsMonro(b=2.0, gamma=1.0)
-    kernel = SGLD(model, step_size=0.01, schedule=schedule)
+    kernel = SGLD(
+        model, step_size=0.01, schedule=schedule, adapt_step_size=adapt, adapt_mass_matrix=adapt
+    )
     MCMC(kernel, num_samples=3, warmup_steps=1, disable_progbar=True).run(_loader(), NUM_DATA)
     steps = kernel.diagnostics()["sample_stats"]["step_size"]
-    assert steps == pytest.approx([0.01 * 2 / (2 + t) for t in (1, 2, 3)])
+    base = kernel.adapted_step_size
+    assert (base != 0.01) == adapt
+    assert steps == pytest.approx([base * 2 / (2 + t) for t in (1, 2, 3)])
 
 
 @pytest.mark.parametrize("kernel_class", KERNELS)
@@ -299,16 +305,16 @@ def test_bad_arguments_are_named(kwargs, message):
         SGHMC(model, **kwargs)
 
 
-def test_model_without_observe_needs_num_data():
+def test_a_model_without_observed_sites_warns_that_it_samples_the_prior():
+    # Issue 22: it raised the num_data error, which told nothing of the missing data.
     def model():
         pyro.sample("w", dist.Normal(0.0, 1.0))
 
-    with pytest.raises(
-        ValueError, match="num_data: the model's likelihood declares no data-set size"
+    with pytest.warns(
+        UserWarning, match=r"no observed site, so the kernel samples the prior of \['w'\]"
     ):
-        MCMC(SGLD(model, step_size=0.1), num_samples=1, warmup_steps=0).run()
-    mcmc = MCMC(SGLD(model, step_size=0.1, num_data=1), num_samples=2, disable_progbar=True)
-    mcmc.run()
+        mcmc = MCMC(SGLD(model, step_size=0.1), num_samples=2, disable_progbar=True)
+        mcmc.run()
     assert mcmc.get_samples()["w"].shape == (2,)
 
 

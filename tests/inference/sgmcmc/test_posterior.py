@@ -42,6 +42,8 @@ from pyro_bdl.inference import SGHMC, SGLD, SGNHT
 NUM_DATA, BATCH, DIM = 200, 50, 8
 PRIOR_SCALE, PRIOR_MEAN = 0.1, 0.5
 NUM_BATCHES = 20
+#: The exact stationary law below is the fixed kernel's: no warm-up adaptation.
+FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
 
 
 def _regression():
@@ -82,20 +84,20 @@ def _stationary_variance(kernel, eig):
 @pytest.mark.parametrize(
     "make_kernel, temperature",
     [
-        (lambda model, t: SGLD(model, step_size=0.04, temperature=t, thin=5), 1.0),
+        (lambda model, t: SGLD(model, step_size=0.04, temperature=t, thin=5, **FIXED), 1.0),
         (
             lambda model, t: SGHMC(
-                model, step_size=0.1, friction=2.0, mass=2.0, temperature=t, thin=5
+                model, step_size=0.1, friction=2.0, mass=2.0, temperature=t, thin=5, **FIXED
             ),
             1.0,
         ),
         (
             lambda model, t: SGHMC(
-                model, step_size=0.05, friction=1.0, mass=0.5, temperature=t, thin=5
+                model, step_size=0.05, friction=1.0, mass=0.5, temperature=t, thin=5, **FIXED
             ),
             0.5,
         ),
-        (lambda model, t: SGLD(model, step_size=0.04, temperature=t, thin=5), 0.5),
+        (lambda model, t: SGLD(model, step_size=0.04, temperature=t, thin=5, **FIXED), 0.5),
     ],
     ids=["sgld-T1", "sghmc-mass2-T1", "sghmc-mass0.5-T0.5", "sgld-T0.5"],
 )
@@ -121,7 +123,7 @@ def test_sgnht_draws_match_the_posterior():
     # biases the position variance by O(step_size * friction / mass) = O(0.025) here;
     # the test allows 0.03 on top of the Monte Carlo error.
     x, y, mean, covariance, _ = _regression()
-    kernel = SGNHT(_model(), step_size=0.025, friction=0.5, mass=0.5, thin=10)
+    kernel = SGNHT(_model(), step_size=0.025, friction=0.5, mass=0.5, thin=10, **FIXED)
     draws = _run(kernel, x, y, mean)
     whiten = _whitener(covariance)
     identity = torch.eye(DIM, dtype=torch.float64)

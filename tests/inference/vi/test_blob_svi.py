@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from pyro import poutine
 from pyro.infer import TraceMeanField_ELBO
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging
 
@@ -118,6 +119,75 @@ def test_fit_blob_follows_the_kl_weights_and_the_warmup(make_lora_net, make_clas
         batch_model, guide, loader, NUM_DATA, num_steps=2, kl_weighting="uniform", progress=False
     )
     assert uniform["kl_weight"] == [1 / math.ceil(NUM_DATA / 8)] * 2
+
+
+def _run(make_lora_net, make_classifier, data, steps, **settings):
+    """The state after ``steps(svi, x, y)`` from one seed, flipout off (its signs are drawn
+    per example, microbatch by microbatch)."""
+    pyro.set_rng_seed(5)
+    net, model, guide = _setup(make_lora_net, make_classifier, data)
+    guide.flipout = False
+    svi = BLoBSVI(model, guide, num_steps=10, lr=1e-2, kl_lr=0.05, warmup_ratio=0.0, **settings)
+    records = steps(svi, *data)
+    state = [value.detach().clone() for value in _state(net, guide)]
+    pyro.clear_param_store()
+    return state, records, svi
+
+
+def test_accumulated_halves_take_the_step_of_the_whole_batch(make_lora_net, make_classifier, data):
+    # The halves share the step's noise draw; their NLL gradients are averaged and the KL
+    # cycle is the whole batch's (16), not a half's.
+    def whole(svi, x, y):
+        return [svi.step(x, y, NUM_DATA) for _ in range(3)]
+
+    def halves(svi, x, y):
+        records = []
+        for _ in range(3):
+            svi.accumulate(x[:8], y[:8], NUM_DATA)
+            svi.accumulate(x[8:], y[8:], NUM_DATA)
+            records.append(svi.update())
+        return records
+
+    expected, expected_records, _ = _run(make_lora_net, make_classifier, data, whole)
+    state, records, svi = _run(make_lora_net, make_classifier, data, halves)
+    for ours, theirs in zip(state, expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    for ours, theirs in zip(records, expected_records):
+        torch.testing.assert_close(ours["nll"], theirs["nll"])
+        assert ours["kl_weight"] == theirs["kl_weight"]
+    assert svi.kl_cycle == blob_kl_cycle(NUM_DATA, 16)
+    with pytest.raises(RuntimeError, match="accumulate"):
+        svi.update()
+
+
+def test_max_grad_norm_clips_the_nll_gradient_of_the_means_only(
+    make_lora_net, make_classifier, data
+):
+    # AdamW (M and B) sees the NLL gradient scaled to norm max_grad_norm; SGD's G step, its
+    # NLL gradient with the KL's, is the unclipped run's.
+    seen = []
+
+    def gradients(optimizer, args, kwargs):
+        grads = [p.grad.clone() for group in optimizer.param_groups for p in group["params"]]
+        seen.append((type(optimizer).__name__, grads))
+
+    def one(svi, x, y):
+        return svi.step(x, y, NUM_DATA)
+
+    handle = register_optimizer_step_pre_hook(gradients)
+    try:
+        free, free_record, _ = _run(make_lora_net, make_classifier, data, one)
+        clipped, record, _ = _run(make_lora_net, make_classifier, data, one, max_grad_norm=0.01)
+    finally:
+        handle.remove()
+    (_, adamw), (_, sgd), (_, clipped_adamw), (_, clipped_sgd) = seen
+    norm = torch.cat([g.flatten() for g in adamw]).norm()
+    torch.testing.assert_close(record["grad_norm"], norm)
+    assert "grad_norm" not in free_record
+    for ours, theirs in zip(clipped_adamw, adamw):
+        torch.testing.assert_close(ours, theirs * 0.01 / norm)
+    torch.testing.assert_close(clipped_sgd[-1], sgd[-1])  # G's gradient
+    torch.testing.assert_close(clipped[1], free[1])  # G
 
 
 def test_bad_settings_are_errors_naming_the_argument(make_lora_net, make_classifier, data):

@@ -1,5 +1,7 @@
 """LoRA flipout: the output distribution of direct weight sampling, decorrelated across examples."""
 
+import gc
+
 import pyro
 import torch
 from torch.func import functional_call
@@ -121,3 +123,28 @@ def test_forwards_with_the_modules_own_weights_are_left_alone(make_lora_net, mak
         guide.flipout = False
         plain = functional_call(net.module, {net.random_sites[site]: draw}, (x,))
     torch.testing.assert_close(fixed, plain)
+
+
+def test_a_guide_that_lets_go_leaves_the_flipout_of_the_guide_that_replaced_it(
+    make_lora_net, make_classifier
+):
+    # A guide loaded in place of another (a resumed run) hooks the same layers; the first
+    # one's detach (or its finaliser) must not take the second's flipout off.
+    net = make_lora_net()
+    model = make_classifier(net)
+    first = BLoBGuide(model, net, eps=0.6)
+    second = BLoBGuide(model, net, eps=0.6)
+    first.flipout = False
+    del first
+    gc.collect()
+    x = torch.randn(64, 5, **F64)
+    second(x, torch.zeros(64, dtype=torch.long))
+    draws, _, _ = second.draw()
+    (site,) = net.random_sites
+    layer, _ = net.owner(site)
+    with torch.no_grad():
+        outputs = [functional_call(layer, {"weight": draws[site]}, (x,)) for _ in range(2)]
+    # flipout draws fresh signs per example at every forward: two forwards differ, and
+    # neither is the forward of the one shared draw
+    assert not torch.allclose(outputs[0], outputs[1])
+    assert not torch.allclose(outputs[0], x @ draws[site].T)

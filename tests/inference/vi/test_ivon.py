@@ -354,6 +354,54 @@ def test_fit_ivon_on_a_dataloader_equals_ivon_opt():
     )
 
 
+# -- a step in parts: gradient accumulation and clipping ----------------------------
+
+
+def _after(steps, mc_samples=2, **settings):
+    """The posterior and momentum after ``steps(svi, x, y)`` from one seed."""
+    model, guide = _model_and_guide()
+    svi = IVONSVI(model, guide, lr=0.05, beta2=0.9, mc_samples=mc_samples, **settings)
+    x, y = _classes()
+    torch.manual_seed(11)
+    records = steps(svi, x[:16], y[:16])
+    return guide.loc.detach().clone(), guide.hess.detach().clone(), svi.momentum, records
+
+
+def test_accumulated_halves_take_the_step_of_the_whole_batch():
+    # The halves share the step's two weight draws; ĝ and ĝ·ε are averaged over them.
+    def whole(svi, x, y):
+        return [svi.step(x, y, NUM_DATA) for _ in range(3)]
+
+    def halves(svi, x, y):
+        records = []
+        for _ in range(3):
+            assert svi.accumulate(x[:8], y[:8], NUM_DATA).dim() == 0
+            svi.accumulate(x[8:], y[8:], NUM_DATA)
+            records.append(svi.update()["loss"])
+        return records
+
+    expected, accumulated = _after(whole), _after(halves)
+    for ours, theirs in zip(accumulated, expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="accumulate"):
+        IVONSVI(*_model_and_guide()).update()
+
+
+def test_max_grad_norm_clips_the_gradient_of_the_means_not_the_hessian_estimate():
+    # From a zero momentum, one step leaves g = (1 - beta1) ĝ: clipped, ĝ's direction at
+    # norm max_grad_norm; h uses ĝ·ε unclipped, as without the clip.
+    def one(svi, x, y):
+        return svi.accumulate(x, y, NUM_DATA), svi.update()
+
+    loc, hess, momentum, (_, free) = _after(one, mc_samples=1)
+    _, clipped_hess, clipped_momentum, (_, clipped) = _after(one, mc_samples=1, max_grad_norm=0.01)
+    assert "grad_norm" not in free
+    gradient = momentum / 0.1
+    torch.testing.assert_close(clipped["grad_norm"], gradient.norm())
+    torch.testing.assert_close(clipped_momentum, 0.1 * gradient * 0.01 / gradient.norm())
+    torch.testing.assert_close(clipped_hess, hess)
+
+
 # -- the guide's draws: Predictive, to_arviz, median, quantiles ------------------------
 
 

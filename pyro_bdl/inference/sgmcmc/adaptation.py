@@ -1,0 +1,406 @@
+r"""Warm-up adaptation of the SGMCMC kernels: a diagonal mass and a step size.
+
+During ``warmup_steps`` a kernel built with ``adapt_mass_matrix=True`` and / or
+``adapt_step_size=True`` (Pyro's names and defaults) learns
+
+* a **diagonal mass** :math:`D` from the second moments of its minibatch gradients,
+  :math:`D_i = \overline{\hat g_i^2} / (N T)`. The kernels then move in the coordinates
+  :math:`D^{1/2}\theta`, in which every direction has curvature about one: by the Fisher
+  identity :math:`\mathbb{E}_\pi[(\partial_i \log \pi)^2] = \mathbb{E}_\pi[-\partial_i^2
+  \log \pi]`, so :math:`D_i` is the posterior's curvature along :math:`\theta_i` per datum
+  (tempered by :math:`T`), plus the gradient noise of the minibatches. This is the
+  preconditioner of pSGLD [1] and the scale adaptation of SGHMC [2], which use the
+  square root of :math:`\overline{\hat g^2}` (RMSprop's); its first power equalises the
+  curvature itself, so a Gaussian of condition number 1,000 along its axes becomes
+  isotropic (the square root leaves it at 32);
+* a **step size** on a statistic that works with minibatch gradients: the *excess* of
+  the chain's stationary position variance over the target's, averaged over the
+  principal directions of the posterior. For the discretisations used here it is an
+  identity on Gaussian targets, exact with or without gradient noise, direction by
+  direction: the relative excess of the position variance equals the relative excess
+  of the kinetic temperature :math:`N |u|^2 / (\sigma^2 d)` of the (whitened) momenta
+  over its value for a free particle, :math:`T / (1 - \epsilon\alpha / (2\sigma^2))`
+  (SGHMC, and SGNHT whose thermostat is held at ``friction`` during warm-up). SGLD is
+  SGHMC with :math:`\epsilon\alpha/\sigma^2 = 1`, a fresh momentum each step; the same
+  identity then reads :math:`\epsilon\, |D^{-1/2} \hat g|^2 / (2 T N d)`.
+  Discretisation error (large steps against stiff directions) and minibatch gradient
+  noise (which heats the chain) both raise the statistic; the potential energy, which
+  minibatches cannot estimate, is never needed. The step size is tuned until the
+  statistic averages ``target_excess`` (10 %: standard deviations about 5 % too wide
+  where the curvature is largest, less elsewhere), the analogue of NUTS's
+  ``target_accept_prob``.
+
+  The kinetic temperature is a property of the chain's state, not of one step: the
+  energy that a chain releases on its way in from a far start heats it for a while,
+  and a smaller step would only slow its way in and keep it hot. So the step size does
+  not shrink while the potential energy is falling, shrinks no faster than the
+  statistic forgets (``friction / mass`` per unit of time), and the momenta are drawn
+  afresh from their law at the start of every window (a Gibbs step, which leaves the
+  target invariant) to discard what heat is left. (The energy error of a step, which
+  NUTS uses, has no such memory, but for a first-order integrator with minibatch
+  gradients its mean is minus the power of the force, which a chain on its way in
+  makes large and positive: it would call for larger steps just when they are unsafe.)
+  The step size moves by a stochastic-approximation step on its logarithm normalised
+  by the statistic's spread, not by Pyro's dual averaging, whose raw iterate makes
+  excursions that NUTS can reject and an SGMCMC chain cannot.
+
+The schedule is Stan's, as Pyro builds it (:class:`~pyro.infer.mcmc.adaptation.WarmupAdapter`):
+a start buffer, slow windows doubling in length, an end buffer.
+
+* In the start buffer, the chain's way in, the mass follows an exponentially weighted
+  *variance* of the last ten or so gradients (refreshed at steps 1, 2, 4, 8, ...),
+  floored at a tenth of their second moment: on its way in a chain meets a steady
+  force, whose square would swamp the curvature and slow it to a crawl (a chain
+  preconditioned by the second moment moves in at a speed inverse to the force).
+* In each slow window the mass is fixed and the window's squared gradients are
+  averaged, becoming the mass at its end: near the posterior the second moment itself
+  (the variance would understate the curvature of a coordinate that mixes slowly and
+  keeps one sign of its gradient for a whole window).
+* In the end buffer only the step size adapts, and the kept step size is the geometric
+  mean of its values there.
+
+An estimate from few gradients is shrunk towards the geometric mean over coordinates on
+the log scale, as Stan shrinks its variances (weight ``count / (count + 5)``), but only
+upwards: a mass too small makes a stiff, unstable direction; one too large only slows
+a direction down. A ``step_size`` given by the user is for the unit mass (as Pyro's is
+for its first, identity mass) and becomes the step that moves the same with the first
+mass. After warm-up nothing changes: the kept draws come from one kernel's stationary
+law.
+
+**References**
+
+[1] C. Li, C. Chen, D. Carlson, L. Carin. Preconditioned stochastic gradient Langevin
+dynamics for deep neural networks. AAAI 2016.
+[2] J. T. Springenberg, A. Klein, S. Falkner, F. Hutter. Bayesian optimization with
+robust Bayesian neural networks. NeurIPS 2016.
+[3] M. D. Hoffman, A. Gelman. The No-U-Turn sampler. JMLR 2014 (warm-up windows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pyro.infer.mcmc.adaptation import WarmupAdapter
+
+from pyro_bdl import distributed
+from pyro_bdl.inference.sgmcmc._buffers import FlatBuffers
+
+__all__ = ["Adaptation", "DEFAULT_TARGET_EXCESS"]
+
+#: The default relative excess of the position variance that the step size is tuned to.
+DEFAULT_TARGET_EXCESS = 0.1
+#: Weight of the newest squared gradient in the start buffer's moving average.
+_START_WEIGHT = 0.1
+#: Change of log(step size) per step, in units of the statistic's own spread.
+_RATE = 0.05
+#: Least weight of the newest statistic in its running mean square (about 20 steps).
+_SPREAD_WEIGHT = 0.05
+#: From this step of the start buffer on, its mass is the gradients' variance (before,
+#: their second moment sets the scale).
+_START_REFRESH = 8
+#: In the start buffer the mass is the gradients' variance, but at least this fraction
+#: of their second moment: where a chain on its way in meets a steady force, the
+#: variance of the gradient (the local curvature) is small against its square, and the
+#: chain moves in up to 1 / _START_FLOOR times faster than with the second moment. (In
+#: the slow windows, near the posterior, the mass is the second moment: a coordinate
+#: that mixes slowly keeps one sign of its gradient for a whole window, and the
+#: variance there would understate its curvature and make it unstable.)
+_START_FLOOR = 0.1
+#: No coordinate's mass is below this fraction of the geometric mean over coordinates: a
+#: gradient that stayed zero through a window (a ReLU unit dead on every batch) tells
+#: nothing, and a unit waking up with a tiny mass would take an unbounded step. (A
+#: Gaussian of condition number 10,000 along its axes still gets its own scales.)
+_TINY = 1e-2
+#: Pseudo-observations of the average mass that each coordinate's estimate is shrunk
+#: towards, as Stan shrinks its variances: a coordinate whose few gradients happened to
+#: vanish (the first one, at a start on a symmetry axis) would take unbounded steps.
+_PRIOR_COUNT = 5
+
+
+class Adaptation:
+    """The warm-up adaptation of one chain: its mass, its step size and their schedule.
+
+    The kernel calls :meth:`observe_gradient` with each warm-up step's gradient before
+    its update, :meth:`observe_statistic` with the step's excess (see the module
+    docstring) when it has read it, and :meth:`end_step` after the step (which says when
+    to draw the momenta afresh); it reads :attr:`step_size` and :attr:`scale`
+    (:math:`D^{-1/2}` per parameter, or None without mass adaptation) for its update.
+
+    :param list theta: the chain's parameters (shapes, dtypes and devices of the mass).
+    :param int warmup_steps: the number of warm-up steps.
+    :param step_size: the first step size, or None for ``start`` in the units of the
+        first gradient.
+    :param bool adapt_step_size: tune the step size.
+    :param bool adapt_mass_matrix: learn the diagonal mass.
+    :param float target_excess: the excess the step size is tuned to.
+    :param float scale: :math:`N T`, the gradient's second moment per unit of mass.
+    :param float start: the first step size in mass-adapted units, when none is given.
+    :param float step_exponent: the step size scales as mass to this power (1/2 for
+        SGHMC, whose time runs as the square root of mass over curvature; 1 for SGLD).
+    :param float max_step_size: an upper bound of the step size in mass-adapted units
+        (SGHMC keeps ``step_size * friction / mass`` at most 1).
+    :param float relaxation: the rate per unit of time at which the statistic forgets
+        (SGHMC: ``friction / mass``; SGLD's statistic has no memory: infinity).
+    :param bool data_parallel: the chain is one chain across the ranks of a job: the
+        ranks take rank 0's mass and step size at every change.
+    """
+
+    def __init__(
+        self,
+        theta: list[torch.Tensor],
+        warmup_steps: int,
+        step_size: float | None,
+        *,
+        adapt_step_size: bool,
+        adapt_mass_matrix: bool,
+        target_excess: float,
+        scale: float,
+        start: float,
+        step_exponent: float,
+        max_step_size: float,
+        relaxation: float = math.inf,
+        data_parallel: bool = False,
+    ):
+        self.adapt_step_size = adapt_step_size
+        self.adapt_mass_matrix = adapt_mass_matrix
+        self.target_excess = target_excess
+        self.step_size = step_size
+        self._gradient_scale = scale
+        self._start = start
+        self._exponent = step_exponent
+        self._max_step_size = max_step_size
+        self._relaxation = relaxation
+        self._data_parallel = data_parallel
+        self._dimension = sum(t.numel() for t in theta)
+        self._windows = _windows(warmup_steps)
+        self._window = 0
+        self._count = 0  # squared gradients in the current window's average
+        self._observed = 0  # statistics seen
+        self._spread = 0.0  # running mean square of (statistic - target)
+        self._log_step = math.nan
+        self._final = [0.0, 0]  # sum and number of log step sizes of the last window
+        self._trend = _Trend()
+        self._mass = self._squares = self._means = None
+        if adapt_mass_matrix:
+            self._mass = FlatBuffers(theta)  # holds D^{-1/2}, the scale of the update
+            self._means = FlatBuffers(theta)
+            self._squares = FlatBuffers(theta)  # variances, or sums of squared deviations
+            for flat in (*self._mass.flats, *self._means.flats, *self._squares.flats):
+                flat.zero_()
+
+    @property
+    def scale(self) -> list[torch.Tensor] | None:
+        """:math:`D^{-1/2}` shaped like the parameters (None without mass adaptation)."""
+        return None if self._mass is None else self._mass.views
+
+    @property
+    def inverse_mass(self) -> list[torch.Tensor] | None:
+        """:math:`D^{-1}` shaped like the parameters (None without mass adaptation)."""
+        return None if self._mass is None else [s.square() for s in self._mass.views]
+
+    # -- the kernel's calls ----------------------------------------------------------
+
+    def observe_gradient(self, grads: list[torch.Tensor]) -> None:
+        """Take a warm-up step's gradient, before the kernel's update."""
+        first = self._count == 0 and self._window == 0
+        if self.adapt_mass_matrix:
+            means, squares = self._means.views, self._squares.views
+            self._count += 1
+            if first:
+                # one gradient: its square sets the scale of the first steps
+                torch._foreach_copy_(means, grads)
+                self._refresh_mass(1.0, 1, floor=1.0)
+            elif self._window == 0:
+                # The start buffer: an exponentially weighted mean and variance; the mass
+                # follows them at steps 2, 4, 8, ...
+                weight = max(1.0 / self._count, _START_WEIGHT)
+                delta = torch._foreach_sub(grads, means)
+                torch._foreach_add_(means, delta, alpha=weight)
+                torch._foreach_mul_(squares, 1 - weight)
+                torch._foreach_addcmul_(squares, delta, delta, value=weight * (1 - weight))
+                if self._count & (self._count - 1) == 0:
+                    floor = 1.0 if self._count < _START_REFRESH else _START_FLOOR
+                    self._refresh_mass(1.0, min(self._count, 1 / _START_WEIGHT), floor)
+            else:  # the slow windows: the second moment (the Fisher identity's)
+                torch._foreach_addcmul_(squares, grads, grads)
+        if first:
+            self.step_size = self._first_step_size(grads)
+            self._log_step = math.log(self.step_size)
+
+    def observe_statistic(self, excess: float, potential: float) -> None:
+        """Take a step's excess (see the module docstring) and its potential energy, and
+        tune the step size.
+
+        A stochastic-approximation step on the log step size, normalised by the running
+        spread of the statistic. Pyro's dual averaging steps with its raw iterate, whose
+        excursions NUTS can afford because it rejects them; an SGMCMC chain cannot
+        reject a step too large, so the step size moves by at most a few per cent a step.
+        It does not shrink while the potential energy is falling: the energy released on
+        the way to the posterior heats the momenta through no fault of the step (and a
+        smaller step would only slow the way in, and keep it hot).
+        """
+        if not self.adapt_step_size or not math.isfinite(excess):
+            return
+        falling = self._trend.falling(potential)
+        if self._window >= len(self._windows):
+            return
+        error = excess - self.target_excess
+        self._observed += 1
+        weight = max(1.0 / self._observed, _SPREAD_WEIGHT)
+        self._spread += weight * (error * error - self._spread)
+        if self._spread > 0 and not (falling and error > 0):
+            # The statistic remembers about 1 / (2 step_size friction) steps: the step size
+            # shrinks no faster than that, lest it chase a heat the step did not cause.
+            memory = min(1.0, 2 * self.step_size * self._relaxation) if error > 0 else 1.0
+            self._log_step -= _RATE * memory * error / math.sqrt(self._spread)
+        self._log_step = min(self._log_step, math.log(self._max_step_size))
+        self.step_size = math.exp(self._log_step)
+        if self._window == len(self._windows) - 1:
+            self._final[0] += self._log_step
+            self._final[1] += 1
+
+    def end_step(self, iteration: int) -> bool:
+        """Close the warm-up step ``iteration``; at the end of a window update the mass,
+        and return whether another window starts (then draw the momenta afresh)."""
+        if self._window >= len(self._windows) or iteration != self._windows[self._window].end:
+            return False
+        last = self._window == len(self._windows) - 1
+        if self.adapt_mass_matrix and 0 < self._window < len(self._windows) - 1:
+            self._refresh_mass(1.0 / self._count, self._count)
+        if self.adapt_mass_matrix and self._window < len(self._windows) - 1:
+            for flat in (*self._means.flats, *self._squares.flats):
+                flat.zero_()
+            self._count = 0
+        self._window += 1
+        if last:
+            self.finish()
+        elif self._data_parallel:
+            self._agree()
+        return not last
+
+    def finish(self) -> None:
+        """End the adaptation: the step size is the geometric mean of the last window's.
+        (A warm-up cut short ends here too.)"""
+        if self.adapt_step_size and self._final[1] > 0:
+            self.step_size = math.exp(self._final[0] / self._final[1])
+            self._final = [0.0, 0]
+        self._window = len(self._windows)
+        if self._data_parallel:
+            self._agree()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _refresh_mass(self, weight: float, count: float, floor: float = 1.0) -> None:
+        """:math:`D^{-1/2}` from the gradients' variance about ``means`` (``squares`` times
+        ``weight``), at least ``floor`` times their second moment, over :math:`N T` (in
+        the slow windows ``means`` is 0: the second moment itself): an estimate from
+        ``count`` gradients, and where it is below the geometric mean over coordinates,
+        shrunk towards it on the log scale (weight ``count / (count + 5)``, as Stan
+        shrinks its variances), so that coordinates of very different scales keep them."""
+        for scale, means, squares in zip(self._mass.flats, self._means.flats, self._squares.flats):
+            variance = squares * (weight / self._gradient_scale)
+            unscaled = means.square().mul_(1 / self._gradient_scale).add_(variance)
+            torch.maximum(variance, unscaled.mul_(floor), out=scale)
+        positive = sum((flat > 0).sum() for flat in self._mass.flats)
+        logs = sum(_log(flat).mul_(flat > 0).sum() for flat in self._mass.flats)
+        # the geometric mean of the positive estimates; a mass of 1 if every gradient was 0
+        log_mean = torch.where(positive > 0, logs / positive.clamp_min(1), torch.zeros_like(logs))
+        shrink = count / (count + _PRIOR_COUNT)
+        for scale in self._mass.flats:
+            centre = log_mean.to(scale.dtype)
+            scale.copy_(_log(scale)).clamp_min_(centre + math.log(_TINY)).sub_(centre)
+            # only upwards: a small estimate may be luck (and would make a stiff, unstable
+            # direction), a large one is never unsafe
+            torch.where(scale < 0, scale * shrink, scale, out=scale)
+            scale.add_(centre).mul_(-0.5).exp_()
+
+    def _first_step_size(self, grads: list[torch.Tensor]) -> float:
+        """The first step size in the units of the first mass.
+
+        Without a step size given, ``start`` in mass-adapted units (converted to the
+        units of the first gradient's average second moment when the mass is not
+        adapted). A given step size is for the unit mass, as Pyro's is for its first
+        (identity) mass: with an adapted mass it becomes the step that moves the same,
+        ``step_size * mean(D) ** step_exponent`` (one read of the device, once).
+        """
+        mean = float(sum(g.square().sum(dtype=torch.float64) for g in grads))
+        mean /= self._dimension * self._gradient_scale
+        scale = mean**self._exponent if mean > 0 and math.isfinite(mean) else 1.0
+        if self.step_size is None:
+            step_size = self._start if self.adapt_mass_matrix else self._start / scale
+        else:
+            step_size = self.step_size * scale if self.adapt_mass_matrix else self.step_size
+        return min(step_size, self._max_step_size)
+
+    def _agree(self) -> None:
+        """Every rank takes rank 0's mass and step size."""
+        tensors = [] if self._mass is None else list(self._mass.flats)
+        step = torch.tensor([self.step_size], dtype=torch.float64)
+        distributed.broadcast_([*tensors, step])
+        self.step_size = float(step)
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The adaptation's state: tensors (mass, squared gradients) and numbers."""
+        tensors = {}
+        if self._mass is not None:
+            for name, buffers in self._buffers().items():
+                tensors.update({f"{name}/{i}": flat for i, flat in enumerate(buffers.flats)})
+        numbers = {key: getattr(self, key) for key in _STATE}
+        numbers["trend"] = list(self._trend.values)
+        return tensors, numbers
+
+    def load_state(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
+        """Restore :meth:`state` (tensors on the CPU are copied to the mass's device)."""
+        if self._mass is not None:
+            for name, buffers in self._buffers().items():
+                for i, flat in enumerate(buffers.flats):
+                    flat.copy_(tensors[f"{name}/{i}"])
+        for key in _STATE:
+            setattr(self, key, numbers[key])
+        self._trend.values = list(numbers["trend"])
+
+    def _buffers(self) -> dict[str, FlatBuffers]:
+        return {"scale": self._mass, "means": self._means, "squares": self._squares}
+
+
+_STATE = ("step_size", "_window", "_count", "_observed", "_spread", "_log_step", "_final")
+
+
+def _log(values: torch.Tensor) -> torch.Tensor:
+    """The logarithm, -inf-free: zeros become the dtype's smallest normal number's log."""
+    return values.clamp_min(torch.finfo(values.dtype).tiny).log()
+
+
+class _Trend:
+    """Whether a chain's potential energy is falling: the mean of its last ``length``
+    values is below the mean of the ``length`` before by more than twice the standard
+    error of their difference (minibatch potentials are noisy, and in equilibrium the
+    potential fluctuates too)."""
+
+    def __init__(self, length: int = 10):
+        self.length = length
+        self.values: list[float] = []
+
+    def falling(self, value: float) -> bool:
+        values = self.values
+        values.append(value)
+        del values[: -2 * self.length]
+        if len(values) < 2 * self.length or not math.isfinite(value):
+            return False
+        before, after = values[: self.length], values[self.length :]
+        mean_before, mean_after = sum(before) / self.length, sum(after) / self.length
+        spread = sum((v - mean_before) ** 2 for v in before) + sum(
+            (v - mean_after) ** 2 for v in after
+        )
+        error = math.sqrt(2 * spread / ((2 * self.length - 2) * self.length))
+        return mean_after < mean_before - 2 * error
+
+
+def _windows(warmup_steps: int) -> list:
+    """Stan's warm-up windows as Pyro builds them: start buffer, slow windows, end buffer."""
+    adapter = WarmupAdapter(adapt_mass_matrix=True)
+    adapter.configure(warmup_steps, initial_step_size=1.0, mass_matrix_shape={("_",): (1,)})
+    return adapter.adaptation_schedule
