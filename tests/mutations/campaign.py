@@ -197,14 +197,14 @@ MUTATIONS = [
     # -- Laplace: N / n_seen, evidence, K-FAC, links, predictive
     (
         "laplace-curvature-no-N-over-seen",
-        LA + "guide.py",
-        "self._blocks = curvature.blocks(num_data / seen)",
-        "self._blocks = curvature.blocks(1.0)",
+        LA + "curvature_pass.py",
+        "curvature.blocks(num_data / seen), log_likelihood",
+        "curvature.blocks(1.0), log_likelihood",
         T_LA,
     ),
     (
         "laplace-loglik-no-N-over-seen",
-        LA + "guide.py",
+        LA + "curvature_pass.py",
         "return log_likelihood * scale, score, num_data, seen, jacobians",
         "return log_likelihood, score, num_data, seen, jacobians",
         T_LA,
@@ -226,9 +226,9 @@ MUTATIONS = [
     ),
     (
         "laplace-gradient-drops-prior-mean",
-        LA + "guide.py",
-        "score[name] - self._model_precision[name] * (value - self._prior_loc[name])",
-        "score[name] - self._model_precision[name] * value",
+        LA + "model_prior.py",
+        "guide._model_precision[name] * (value - guide._prior_loc[name])",
+        "guide._model_precision[name] * value",
         T_LA + ["tests/inference/laplace/test_mode.py"],
     ),
     (

@@ -139,5 +139,5 @@ def _check_stationary(evidence, per_site, log_delta, scale, num_steps, lr) -> No
             f"{relative:.2g} of its scale d/2 (tolerance {CONVERGENCE_TOLERANCE}); "
             "raise num_steps",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,  # LaplaceGuide.optimize_prior_precision's caller
         )

@@ -20,37 +20,50 @@ site, a hierarchical prior, a latent scale of the likelihood, several likelihood
 :mod:`~pyro_bdl.inference.laplace.hessian`), ``curvature="full"`` is the exact Hessian
 of the log joint in the unconstrained space, as Pyro's ``AutoLaplaceApproximation``
 computes it, and the other curvatures refuse the model, naming what is missing.
+
+The guide is the approximation: drawing (:meth:`~LaplaceGuide.forward`,
+:meth:`~LaplaceGuide.sample_posterior`), its summaries (``median``, ``quantiles``,
+``variance``, ``get_posterior``) and ``as_prior`` live in this module. Producing it and
+using it are in modules of their own, which the guide's methods call:
+:mod:`~pyro_bdl.inference.laplace.fitting` (the MAP stage, the whitened L-BFGS
+refinement, the mode check), :mod:`~pyro_bdl.inference.laplace.curvature_pass` (the pass
+over the data; its :class:`~.curvature_pass.CurvaturePass` is the fitted state, including
+the model linearised at the MAP that the predictive reuses),
+:mod:`~pyro_bdl.inference.laplace.model_prior` (the model's priors and the prior
+precision), :mod:`~pyro_bdl.inference.laplace.predictive` (the GLM predictive and its
+links) and :mod:`~pyro_bdl.inference.laplace.tuning` (prior precision and link selection).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 
 import pyro
 import pyro.distributions as dist
 import torch
-from pyro.distributions.util import scale_and_mask
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
-from tqdm.auto import tqdm
 
-from pyro_bdl import distributed
-from pyro_bdl._checks import function, instance, integer, one_of, real, site_keys
+from pyro_bdl._checks import function, instance, integer, real
 from pyro_bdl._draws import kept_draws
 from pyro_bdl.inference.guide_state import GuideState, dtype_name
-from pyro_bdl.inference.laplace.curvature import Curvature, Full, make_curvature
-from pyro_bdl.inference.laplace.evidence import log_marginal_likelihood, maximise_evidence
-from pyro_bdl.inference.laplace.hessian import HessianBlock, LogJointPass
-from pyro_bdl.inference.laplace.jacobians import DenseGradient, ModelJacobians
-from pyro_bdl.inference.laplace.observation import StructureError
+from pyro_bdl.inference.laplace import fitting, tuning
+from pyro_bdl.inference.laplace.curvature import Curvature, DiagonalBlock, Full, make_curvature
+from pyro_bdl.inference.laplace.model_prior import (
+    PriorPrecision,
+    checked_precision,
+    read_priors,
+    resolve,
+    set_prior_precision,
+)
 from pyro_bdl.inference.laplace.predictive import (
     LINKS,
-    laplace_bridge,
-    mc_probabilities,
-    probit,
+    glm_predictive,
+    linearize,
+    output_covariance,
+    output_distribution,
 )
 from pyro_bdl.inference.laplace.prior import LaplacePrior
 from pyro_bdl.inference.laplace.state import (
@@ -58,19 +71,14 @@ from pyro_bdl.inference.laplace.state import (
     laplace_state,
     restore_laplace,
 )
-from pyro_bdl.inference.map import adam_at_prior_scale, minimise
-from pyro_bdl.inference.minibatch import DataPass, Minibatches
 from pyro_bdl.inference.sites import LatentSites
 from pyro_bdl.lift import init_to_module
-from pyro_bdl.priors import normal_parameters
 
 __all__ = ["LaplaceGuide"]
 
-# L-BFGS passes before the curvature is first refreshed; each round doubles it (a
-# fresh curvature whitens far better while the point still moves a lot).
-_FIRST_ROUND = 5
-
-PriorPrecision = float | Mapping[str, float | torch.Tensor] | None
+# The most latent entries get_posterior gives a dense covariance for when the curvature
+# is not dense already (Full's default max_params: the same d x d matrix).
+_DENSE_LIMIT = 10_000
 
 
 class LaplaceGuide(GuideState, AutoGuide):
@@ -149,7 +157,7 @@ class LaplaceGuide(GuideState, AutoGuide):
             )
         temperature = real("temperature", temperature, positive=True)
         function("init_loc_fn", init_loc_fn, "a Pyro init strategy (site -> value)")
-        prior_precision = _checked_precision(prior_precision)
+        prior_precision = checked_precision(prior_precision)
         curvature = make_curvature(curvature)
         super().__init__(InitMessenger(init_loc_fn)(model))
         self._laplace_model = (model,)  # a tuple keeps nn.Module from registering it
@@ -157,6 +165,9 @@ class LaplaceGuide(GuideState, AutoGuide):
         self.temperature = temperature
         self.init_loc_fn = init_loc_fn
         self._prior_precision_arg = prior_precision
+        # The fitted state, set by the curvature pass (CurvaturePass.adopt): _blocks, the
+        # log likelihood, num_data, the log joint's gradient and _jacobians, the model
+        # linearised at the MAP, which the linearised predictive reads; and _loc, the MAP.
         self._blocks = None
         #: the link :meth:`predictive` uses by default: ``"mc"``, or what :meth:`select_link`
         #: chose (saved with the guide)
@@ -223,101 +234,18 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param bool progress: show progress bars.
         :return: the guide, fitted.
         """
-        if not isinstance(map, (bool, Mapping)):
-            raise TypeError(
-                f"map must be True, False or a dict of site values, got {type(map).__name__}"
-            )
-        num_steps = integer("num_steps", num_steps, low=0)
-        max_passes = integer("max_passes", max_passes, low=0)
-        if mode_tolerance is not None:
-            mode_tolerance = real("mode_tolerance", mode_tolerance, positive=True)
-        instance("progress", progress, bool, "True or False")
-        if optimizer is not None:
-            instance("optimizer", optimizer, pyro.optim.PyroOptim, "a pyro.optim optimiser")
-        model = self._laplace_model[0]
-        batches = DataPass(model, args, kwargs)
-        first_args, first_kwargs = batches.batches.peek()
-        self._setup_prototype(*first_args, **first_kwargs)
-        if map is True:
-            self._probe_structure(model, first_args, first_kwargs)
-            values, _ = minimise(
-                model,
-                args,
-                kwargs,
-                num_steps,
-                optimizer or adam_at_prior_scale(self._prior_scales()),
-                False,
-                self.init_loc_fn,
-                progress,
-                jacobian=True,
-            )
-        elif map is False:
-            values = {name: site.message["value"] for name, site in self.sites.items()}
-        else:
-            values = self._checked_values(map)
-        values = {name: value.detach() for name, value in values.items()}
-        self._loc = {name: z.clone() for name, z in self.sites.unconstrain(values).items()}
-        check = mode_tolerance is not None
-        self._accumulate(model, batches, progress, gradient=check)
-        passes = rounds = 0
-        distance = self._mode_distance() if check else 0.0
-        while check and map is True and passes < max_passes and distance > mode_tolerance:
-            budget = min(max_passes - passes, _FIRST_ROUND * 2**rounds)
-            rounds += 1
-            before = self._loc
-            passes += self._refine(model, batches, mode_tolerance, budget, progress)
-            # A round whose line search found no decrease has met the precision of the log
-            # joint itself: more rounds cannot bring the mode closer.
-            if all(torch.equal(before[name], value) for name, value in self._loc.items()):
-                break
-            self._accumulate(model, batches, progress, gradient=True)
-            distance = self._mode_distance()
-        if check and distance > mode_tolerance:
-            self._warn_not_a_mode(map, mode_tolerance, num_steps, max_passes)
-        _warn_if_adapters_untrained(self._loc)
-        if self.exact_hessian_reason is not None:
-            _check_positive_definite(self._blocks[0], self.exact_hessian_reason)
+        fitting.fit(
+            self,
+            args,
+            kwargs,
+            map=map,
+            num_steps=num_steps,
+            optimizer=optimizer,
+            max_passes=max_passes,
+            mode_tolerance=mode_tolerance,
+            progress=progress,
+        )
         return self
-
-    def _prior_scales(self) -> dict[str, float]:
-        """The scale each site's unconstrained value lives on: a Normal prior's standard
-        deviation, 1 for any other prior (the scale of the unconstrained space)."""
-        scales = {}
-        for name, site in self.sites.items():
-            normal = normal_parameters(site.message["fn"], site.message["value"])
-            scales[name] = 1.0 if normal is None or not site.is_real else float(normal[1].mean())
-        return scales
-
-    def _checked_values(self, values: Mapping) -> dict[str, torch.Tensor]:
-        """``fit(map=values)``: one finite tensor per latent site, of the site's shape."""
-        site_keys("fit(map=...)", values, self.sites, "the model's latent sites")
-        missing = [name for name in self.sites if name not in values]
-        if missing:
-            raise ValueError(f"fit(map=...): no value for the latent sites {missing[:5]}")
-        checked = {}
-        for name, site in self.sites.items():
-            like = site.message["value"]
-            value = values[name]
-            if not torch.is_tensor(value):
-                raise TypeError(
-                    f"fit(map=...): the value of {name!r} must be a tensor, got "
-                    f"{type(value).__name__}"
-                )
-            if value.shape != like.shape:
-                raise ValueError(
-                    f"fit(map=...): the value of {name!r} has shape {tuple(value.shape)}, the "
-                    f"site has shape {tuple(like.shape)}"
-                )
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"fit(map=...): the value of {name!r} is not finite")
-            fn = site.message["fn"]
-            if not bool(fn.support.check(value).all()):
-                raise ValueError(
-                    f"fit(map=...): the value of {name!r} is outside the site's support "
-                    f"{fn.support}"
-                )
-            checked[name] = value.to(dtype=like.dtype, device=like.device)
-        return checked
 
     def _setup_prototype(self, *args, **kwargs) -> None:
         super()._setup_prototype(*args, **kwargs)
@@ -327,228 +255,7 @@ class LaplaceGuide(GuideState, AutoGuide):
         self.sites.refuse_local(
             "the Laplace approximation is over global sites, as Pyro's AutoLaplaceApproximation's"
         )
-        fixed = self.sites.fixed_priors(self.model, args, kwargs)
-        self.exact_hessian_reason = None
-        self._prior_loc, self._model_precision, self._other_priors = {}, {}, {}
-        for name, site in self.sites.items():
-            reason = _no_structure(name, site, fixed)
-            if reason is not None:
-                self._use_exact_hessian(reason)
-                return
-            normal = self.sites.normal_prior(name, fixed) if site.unscaled else None
-            if normal is None:  # its curvature by autodiff, at each curvature pass
-                self._other_priors[name] = site.message
-                continue
-            self._prior_loc[name] = normal[0]
-            self._model_precision[name] = normal[1].reciprocal().square()
-        self._prior_precision = {}
-        self.prior_precision = self._prior_precision_arg
-
-    def _use_exact_hessian(self, reason: str) -> None:
-        """Take the exact Hessian of the log joint, or refuse the model by name."""
-        if not isinstance(self.curvature, Full):
-            raise StructureError(
-                f"LaplaceGuide(curvature={self.curvature.name!r}): {reason}, so the "
-                "per-example structure of the GGN and Fisher curvatures is not there. "
-                "curvature='full' takes the exact Hessian of the log joint instead (as "
-                "Pyro's AutoLaplaceApproximation), for models of up to "
-                f"Full(max_params=...) latent entries"
-            )
-        if self._prior_precision_arg is not None:
-            raise ValueError(
-                f"prior_precision: {reason}, so LaplaceGuide takes the exact Hessian of the "
-                "model's log joint, prior included; there is no separate prior precision to "
-                "set: change the prior's scale in the model"
-            )
-        size = self.sites.numel
-        if size > self.curvature.max_params:
-            raise ValueError(
-                f"LaplaceGuide: {reason}, so the curvature is the exact Hessian of the log "
-                f"joint, a {size} x {size} matrix, more than max_params="
-                f"{self.curvature.max_params}; pass Full(max_params=...) if the memory is there"
-            )
-        self.exact_hessian_reason = reason
-        self._prior_loc, self._model_precision, self._other_priors = {}, {}, {}
-        self._prior_precision = {}
-
-    def _probe_structure(self, model: Callable, args: tuple, kwargs: dict) -> None:
-        """Read the likelihood of one run before a MAP search, so that a model without the
-        GGN's structure is refused (or sent to the exact Hessian) before, not after it."""
-        if self.exact_hessian_reason is not None:
-            return
-        values = {name: site.message["value"] for name, site in self.sites.items()}
-        try:
-            ModelJacobians(model, values)(args, kwargs)
-        except StructureError as error:
-            self._use_exact_hessian(str(error).removeprefix("LaplaceGuide: "))
-
-    def _accumulate(self, model: Callable, batches: DataPass, progress: bool, gradient: bool):
-        """The curvature pass at ``self._loc`` (with the log joint's gradient if asked)."""
-        if self.exact_hessian_reason is None:
-            try:
-                self._accumulate_structured(model, batches, progress, gradient)
-                return
-            except StructureError as error:  # learnt from the first batch's likelihood
-                self._use_exact_hessian(str(error).removeprefix("LaplaceGuide: "))
-        self._accumulate_exact(model, batches, progress)
-
-    def _accumulate_structured(self, model, batches, progress, gradient) -> None:
-        curvature = self.curvature
-        curvature.begin(self._loc)
-        self._prior_precision.update(self._prior_curvature(self._loc))
-        log_likelihood, score, num_data, seen, jacobians = self._pass(
-            model, batches, self._loc, curvature, gradient, progress
-        )
-        self._blocks = curvature.blocks(num_data / seen)
-        self._log_likelihood = log_likelihood
-        self.num_data = num_data
-        self._jacobians = jacobians
-        for block in self._blocks:
-            try:
-                block.check_prior(self._prior_precision)
-            except ValueError as error:
-                other = next((name for name in block.sites if name in self._other_priors), None)
-                if other is None:
-                    raise
-                fn = self.sites[other].prior_name
-                raise ValueError(
-                    f"{error}. The prior of {other!r} is a {fn}, not a Normal: its curvature "
-                    "differs from entry to entry, which K-FAC cannot hold; use "
-                    "curvature='diag_ggn' or 'full'"
-                ) from None
-        self._gradient = None if score is None else self._log_joint_gradient(score, self._loc)
-
-    def _accumulate_exact(self, model, batches, progress) -> None:
-        """The exact Hessian of the log joint at ``self._loc`` (see :mod:`.hessian`)."""
-        log_joint = LogJointPass(model, self.sites, batches)
-        value, grad, hessian = log_joint(self.sites.pack(self._loc), order=2, progress=progress)
-        shapes = {name: site.unconstrained_shape for name, site in self.sites.items()}
-        self._blocks = [HessianBlock(shapes, -hessian)]
-        self._log_likelihood = value  # the whole log joint: the evidence's other terms
-        self.num_data = log_joint.num_data
-        self._jacobians = None
-        self._gradient = self.sites.unpack(grad)
-
-    def _prior_curvature(self, values) -> dict[str, torch.Tensor]:
-        """:math:`-\\partial^2 \\log p / \\partial\\theta^2` entry by entry, for the priors
-        that are not Normal (independent entries: the gradient of the summed first
-        derivatives is the diagonal), checked positive."""
-        curvatures = {}
-        for name, message in self._other_priors.items():
-            x = values[name].detach().requires_grad_()
-            with torch.enable_grad():
-                log_prior = _site_log_density(message, x)
-                (grad,) = torch.autograd.grad(log_prior, x, create_graph=True)
-                (second,) = torch.autograd.grad(grad.sum(), x, allow_unused=True)
-            curvature = torch.zeros_like(x) if second is None else -second.detach()
-            if not bool((curvature > 0).all()):
-                raise ValueError(
-                    f"LaplaceGuide: the log prior of {name!r} ({self.sites[name].prior_name}) "
-                    "is not strictly concave at the fitted point (curvature "
-                    f"{float(curvature.min()):.3g} somewhere), so the Laplace precision is not "
-                    "positive definite there; give the site a log-concave prior"
-                )
-            curvatures[name] = curvature
-        return curvatures
-
-    def _pass(self, model, batches, values, curvature, gradient, progress):
-        r"""One pass over the data at ``values``.
-
-        Feeds each batch's per-example gradients to ``curvature`` (if given) and sums the
-        log likelihood and, if ``gradient``, its gradient; both are scaled by
-        :math:`N / n_\text{seen}`, the one scaling every structure shares (1 after a full
-        pass over ``N`` examples).
-
-        :return: (log likelihood, its gradient per site or None, N, the number of
-            examples seen, the ModelJacobians).
-        """
-        jacobians = ModelJacobians(model, values)
-        log_likelihood, seen, num_data = 0.0, 0, None
-        score = [torch.zeros_like(v) for v in jacobians.values.values()] if gradient else None
-        bar = tqdm(
-            batches,
-            total=batches.runs,
-            desc=f"Laplace {curvature.name}" if curvature else "log joint",
-            disable=not progress,
-            leave=False,
-        )
-        for args, kwargs, context in bar:
-            with context:
-                batch_log_likelihood, batch_num_data, examples = self._batch(
-                    jacobians, args, kwargs, curvature, score
-                )
-            if batches.plate is not None:  # a subsample plate's chunk: the indices not seen
-                examples = batches.plate.kept
-            if num_data is not None and batch_num_data != num_data:
-                raise ValueError(
-                    f"the observed site's num_data changed between batches ({num_data} then "
-                    f"{batch_num_data}); pass num_data=<size of the training set> to "
-                    "bdl.observe"
-                )
-            num_data = batch_num_data
-            log_likelihood = log_likelihood + batch_log_likelihood
-            seen += examples
-        # data-parallel (torchrun): every rank passed over its shard; add the passes up
-        if curvature is not None:
-            curvature.synchronise()
-        seen, log_likelihood = distributed.sum_across_ranks(seen, log_likelihood)
-        if score is not None:
-            distributed.all_reduce_(score)
-        # One scaling for every structure: the pass's sums stand for N examples.
-        scale = num_data / seen
-        if score is not None:
-            score = {name: total * scale for name, total in zip(jacobians.values, score)}
-        return log_likelihood * scale, score, num_data, seen, jacobians
-
-    @staticmethod
-    def _batch(jacobians, args, kwargs, curvature, score) -> tuple[torch.Tensor, int, int]:
-        """One batch of :meth:`_pass`: its log likelihood, ``num_data`` and size.
-
-        Adds the batch's curvature to ``curvature`` (if given) and its log likelihood's
-        gradient to ``score`` (if given). The run and its graph live only in this call:
-        held into the next batch's forward, they would double the activations' memory.
-        """
-        run = jacobians(args, kwargs)
-        observation = run.observation
-        log_likelihood = observation.log_likelihood()
-        if score is not None:  # first: the curvature's backward frees the run's graph
-            leaves = list(jacobians.values.values())
-            grads = torch.autograd.grad(
-                log_likelihood, leaves, allow_unused=True, retain_graph=curvature is not None
-            )
-            for total, grad in zip(score, grads):
-                if grad is not None:
-                    total += grad
-        if curvature is not None:
-            columns = observation.columns(curvature.fisher, curvature.num_samples)
-            curvature.update(run.gradients(columns))
-        return log_likelihood.detach(), observation.num_data, observation.num_examples
-
-    def _log_joint_gradient(self, score, values) -> dict[str, torch.Tensor]:
-        """The log joint's gradient: the likelihood's plus the prior's."""
-        gradient = {}
-        for name, value in values.items():
-            if name in self._other_priors:
-                x = value.detach().requires_grad_()
-                with torch.enable_grad():
-                    log_prior = _site_log_density(self._other_priors[name], x)
-                    (prior_score,) = torch.autograd.grad(log_prior, x)
-                gradient[name] = score[name] + prior_score
-            else:
-                prior_score = self._model_precision[name] * (value - self._prior_loc[name])
-                gradient[name] = score[name] - prior_score
-        return gradient
-
-    def _log_prior(self, values) -> torch.Tensor:
-        """The model's log prior of ``values``; its normal part up to a constant."""
-        total = 0.0
-        for name, value in values.items():
-            if name in self._other_priors:
-                total = total + _site_log_density(self._other_priors[name], value.detach())
-            else:
-                squares = (value - self._prior_loc[name]).square()
-                total = total - 0.5 * (self._model_precision[name] * squares).sum()
-        return total
+        read_priors(self, args, kwargs)
 
     @property
     def mode_distance(self) -> float | None:
@@ -559,112 +266,7 @@ class LaplaceGuide(GuideState, AutoGuide):
         (``mode_tolerance=None``).
         """
         self._check_fitted()
-        return None if self._gradient is None else self._mode_distance()
-
-    def _mode_distance(self) -> float:
-        squared = sum(
-            block.output_covariance(
-                {name: DenseGradient(self._gradient[name][None, None]) for name in block.sites},
-                self._prior_precision,
-            ).sum()
-            for block in self._blocks
-        )
-        return math.sqrt(max(float(squared), 0.0) / self.temperature)
-
-    def _whiten(self, start, offsets) -> dict[str, torch.Tensor]:
-        r""":math:`\theta_0 + R u` with :math:`R R^\top = P^{-1}`, differentiable in ``u``."""
-        values = {}
-        for block in self._blocks:
-            noise = {name: offsets[name].unsqueeze(0) for name in block.sites}
-            for name, step in block.sample(noise, self._prior_precision).items():
-                values[name] = start[name] + step[0]
-        return values
-
-    def _refine(self, model, batches, tolerance, budget, progress) -> int:
-        """L-BFGS on the log joint in whitened coordinates; returns the passes taken."""
-        start = {name: value.detach() for name, value in self._loc.items()}
-        offsets = {
-            name: torch.zeros_like(value, requires_grad=True) for name, value in start.items()
-        }
-        # A long memory pays on these small non-convex problems; keep it under ~1e8 numbers.
-        size = sum(value.numel() for value in start.values())
-        history = max(5, min(100, 50_000_000 // size))
-        lbfgs = torch.optim.LBFGS(
-            list(offsets.values()),
-            lr=1.0,
-            max_iter=budget,
-            max_eval=budget,
-            tolerance_grad=0.0,
-            history_size=history,
-            line_search_fn="strong_wolfe",
-        )
-        bar = tqdm(
-            total=budget, desc="MAP (L-BFGS, full passes)", disable=not progress, leave=False
-        )
-        passes = 0
-
-        def closure():
-            nonlocal passes
-            passes += 1
-            bar.update()
-            lbfgs.zero_grad()
-            values = self._whiten(start, offsets)
-            detached = {name: value.detach() for name, value in values.items()}
-            log_joint, gradient = self._log_joint(model, batches, detached)
-            torch.autograd.backward(list(values.values()), [-gradient[name] for name in values])
-            # In these coordinates the gradient's norm is the Newton decrement at T = 1.
-            # LBFGS stops when the gradient it sees is zero: report zero once it is small.
-            squared = sum(offset.grad.square().sum() for offset in offsets.values())
-            if math.sqrt(float(squared) / self.temperature) <= tolerance / 2:
-                for offset in offsets.values():
-                    offset.grad.zero_()
-            bar.set_postfix(log_joint=f"{float(log_joint):.6g}", refresh=False)
-            return -log_joint
-
-        lbfgs.step(closure)
-        bar.close()
-        with torch.no_grad():
-            self._loc = {
-                name: value.detach().clone() for name, value in self._whiten(start, offsets).items()
-            }
-        return passes
-
-    def _log_joint(self, model, batches, values) -> tuple[torch.Tensor, dict]:
-        """The log joint over a pass at unconstrained ``values``, and its gradient."""
-        if self.exact_hessian_reason is not None:
-            value, grad, _ = LogJointPass(model, self.sites, batches)(
-                self.sites.pack(values), order=1
-            )
-            return value, self.sites.unpack(grad)
-        log_likelihood, score, *_ = self._pass(model, batches, values, None, True, False)
-        return log_likelihood + self._log_prior(values), self._log_joint_gradient(score, values)
-
-    def _warn_not_a_mode(self, map, tolerance, num_steps, max_passes) -> None:
-        norm = math.sqrt(sum(float(g.square().sum()) for g in self._gradient.values()))
-        if map is True:
-            fix = (
-                f"raise max_passes (now {max_passes}) or num_steps (now {num_steps}), or "
-                "pass map=<the values of a converged fit>"
-            )
-        else:
-            given = (
-                "the module's current weights (map=False)"
-                if map is False
-                else "the values passed as map="
-            )
-            fix = (
-                f"{given} are not a MAP of this model (a checkpoint fitted with another prior "
-                "or weight decay, or not converged): refine them with map=True, num_steps=0 "
-                "(L-BFGS from them), or pass converged values"
-            )
-        warnings.warn(
-            f"LaplaceGuide.fit: the point is not a mode of the log joint: its gradient has "
-            f"norm {norm:.4g}, which puts the mode {self._mode_distance():.3g} posterior "
-            f"standard deviations away (Newton decrement sqrt(g' P^-1 g / T), above "
-            f"mode_tolerance={tolerance}); the mean, curvature and evidence are those of "
-            f"another point. To fix: {fix}. mode_tolerance=None skips this check",
-            stacklevel=3,
-        )
+        return None if self._gradient is None else fitting.mode_distance(self)
 
     def _check_fitted(self) -> None:
         if self._blocks is None:
@@ -691,48 +293,7 @@ class LaplaceGuide(GuideState, AutoGuide):
 
     @prior_precision.setter
     def prior_precision(self, value: PriorPrecision) -> None:
-        value = _checked_precision(value)
-        precision = dict(self._model_precision)
-        if value is not None and not precision:
-            raise ValueError(
-                "prior_precision: no latent site of this model has a Normal prior with fixed "
-                "parameters whose precision it could set (the model's own priors enter the "
-                f"curvature{': ' + self.exact_hessian_reason if self.exact_hessian_reason else ''}"
-                "); change the priors' scales in the model"
-            )
-        if isinstance(value, Mapping):
-            others = [name for name in value if name in self._other_priors]
-            if others:
-                fn = self.sites[others[0]].prior_name
-                raise ValueError(
-                    f"prior_precision names {others[0]!r}, whose prior is a {fn}, not a Normal: "
-                    "its curvature comes from the model; set the Normal sites' precision only"
-                )
-            site_keys("prior_precision", value, precision, "the model's latent sites")
-            precision.update({name: torch.as_tensor(v) for name, v in value.items()})
-        elif value is not None:
-            precision = {name: torch.as_tensor(value) for name in precision}
-        checked = {}
-        for name, delta in precision.items():
-            like = self.sites[name].message["value"]
-            delta = delta.to(dtype=like.dtype, device=like.device)
-            try:
-                fits = torch.broadcast_shapes(delta.shape, like.shape) == like.shape
-            except RuntimeError:
-                fits = False
-            if not fits:
-                raise ValueError(
-                    f"prior_precision of {name!r} has shape {tuple(delta.shape)}, which does "
-                    f"not broadcast to the site's shape {tuple(like.shape)}"
-                )
-            if not bool((delta > 0).all()) or not bool(torch.isfinite(delta).all()):
-                raise ValueError(
-                    f"prior_precision of {name!r} must be positive and finite, got {delta}"
-                )
-            if delta.numel() > 1 and bool((delta == delta.flatten()[0]).all()):
-                delta = delta.flatten()[0]
-            checked[name] = delta.detach()
-        self._prior_precision = {**self._prior_precision, **checked}
+        set_prior_precision(self, value)
 
     # -- the Gaussian ----------------------------------------------------------------
 
@@ -860,6 +421,66 @@ class LaplaceGuide(GuideState, AutoGuide):
             result[name] = self.sites[name].transform(values)
         return result
 
+    @torch.no_grad()
+    def get_posterior(self, *args, **kwargs) -> torch.distributions.Distribution:
+        r""":math:`q` as a torch distribution over the flat unconstrained latent vector.
+
+        The vector is every site's unconstrained value flattened, end to end in the
+        model's order (as Pyro's ``AutoContinuous`` guides, ``AutoLaplaceApproximation``
+        and ``AutoMultivariateNormal``, pack it), with mean :math:`\theta_\text{MAP}` and
+        covariance :math:`T P^{-1}`. A diagonal curvature gives
+        ``Normal(loc, scale).to_event(1)`` at any size; the others a
+        ``MultivariateNormal``, whose dense covariance is the curvature's own for
+        ``"full"`` and is formed from the blocks (K-FAC) for up to 10,000 entries. A
+        larger K-FAC posterior has no torch distribution short of that matrix (its
+        covariance, :math:`(A \otimes G + \delta)^{-1}`, is neither diagonal nor a
+        positive low-rank update of one): the error says what to use instead.
+
+        Example::
+
+            posterior = guide.get_posterior()
+            z = posterior.sample((100,))                 # (100, d)
+            values = guide.sites.unpack(z)               # per site, unconstrained
+
+        :param args: the model's arguments (unused: the fitted guide knows its sites;
+            accepted as Pyro's guides take them).
+        :return: ``Independent(Normal)`` or ``MultivariateNormal`` of event shape ``(d,)``.
+        """
+        self._check_fitted()
+        loc = self.sites.pack(self._loc)
+        if all(isinstance(block, DiagonalBlock) for block in self._blocks):
+            scale = self.sites.pack(self.variance()).sqrt()
+            return dist.Normal(loc, scale).to_event(1)
+        if len(loc) > _DENSE_LIMIT and not isinstance(self.curvature, Full):
+            raise NotImplementedError(
+                f"LaplaceGuide.get_posterior: the {self.curvature.name} posterior over "
+                f"{len(loc)} entries has no torch distribution short of its dense "
+                f"{len(loc)} x {len(loc)} covariance (more than {_DENSE_LIMIT} entries). "
+                "Draw from it with guide.sample_posterior(n) or Predictive(model, "
+                "guide=guide), read its marginals with guide.variance() or "
+                "guide.quantiles(...), or take it as a prior with guide.as_prior()"
+            )
+        return dist.MultivariateNormal(loc, covariance_matrix=self._dense_covariance())
+
+    def _dense_covariance(self) -> torch.Tensor:
+        r""":math:`T P^{-1}` as a ``(d, d)`` matrix: block by block, each from :math:`R`
+        (:math:`R R^\top = P^{-1}`) applied to the unit vectors."""
+        loc = self.sites.pack(self._loc)
+        covariance = loc.new_zeros(len(loc), len(loc))
+        positions = self.sites.unpack(torch.arange(len(loc), device=loc.device))
+        for block in self._blocks:
+            index = torch.cat([positions[name].reshape(-1) for name in block.sites])
+            eye = torch.eye(len(index), dtype=loc.dtype, device=loc.device)
+            sizes = [self._loc[name].numel() for name in block.sites]
+            noise = {
+                name: part.reshape(len(index), *self._loc[name].shape)
+                for name, part in zip(block.sites, eye.split(sizes, -1))
+            }
+            root = block.sample(noise, self._prior_precision)  # row j: R e_j
+            root = torch.cat([root[name].reshape(len(index), -1) for name in block.sites], -1)
+            covariance[index.unsqueeze(-1), index] = self.temperature * (root.mT @ root)
+        return covariance
+
     # -- the linearised predictive ---------------------------------------------------
 
     def output_distribution(
@@ -875,12 +496,7 @@ class LaplaceGuide(GuideState, AutoGuide):
             tensor (logits for a classifier).
         """
         delta = self._resolve(prior_precision)
-        means, covariances = [], []
-        for batch_args, batch_kwargs in Minibatches(args, kwargs).one_pass():
-            mean, grads, _ = self._linearize(batch_args, batch_kwargs)
-            means.append(mean)
-            covariances.append(self._covariance(grads, delta))
-        return torch.cat(means), torch.cat(covariances)
+        return output_distribution(self, args, kwargs, delta)
 
     def predictive(
         self,
@@ -910,66 +526,30 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param generator: random generator for ``"mc"``.
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
-        link = one_of("link", self.link if link is None else link, LINKS)
-        num_samples = integer("num_samples", num_samples, low=1)
-        instance("return_samples", return_samples, bool, "True or False")
-        if generator is not None:
-            instance("generator", generator, torch.Generator, "a torch.Generator or None")
-        instance("progress", progress, bool, "True or False")
-        if return_samples and link != "mc":
-            raise ValueError(f"return_samples=True needs link='mc', got link={link!r}")
-        delta = self._resolve(prior_precision)
-        batches = Minibatches(args, kwargs)
-        results = []
-        bar = tqdm(
-            batches.one_pass(),
-            total=batches.batches_per_epoch,
-            desc="GLM predictive",
-            disable=not progress,
-            leave=False,
+        return glm_predictive(
+            self,
+            args,
+            kwargs,
+            link=link,
+            num_samples=num_samples,
+            return_samples=return_samples,
+            generator=generator,
+            prior_precision=prior_precision,
+            progress=progress,
         )
-        for batch_args, batch_kwargs in bar:
-            mean, grads, _ = self._linearize(batch_args, batch_kwargs, contrasts=link == "mc")
-            covariance = self._covariance(grads, delta)
-            probs = _link(link, mean, covariance, num_samples, generator)
-            results.append(probs if return_samples or link != "mc" else probs.mean(0))
-        return torch.cat(results, dim=-2)
 
     def _linearize(self, args: tuple, kwargs: dict, contrasts: bool = False):
-        """The linearised outputs at the MAP, their per-example Jacobian rows, the run.
-
-        With ``contrasts`` the outputs are the ``C - 1`` logit differences
-        :math:`f_k - f_C`: the softmax is shift invariant, so their Gaussian carries the
-        whole MC predictive at one vector-Jacobian product fewer per batch.
-        """
+        """:func:`~.predictive.linearize` at the model linearised by the fit."""
         self._require_structure("the linearised (GLM) predictive")
-        run = self._jacobians(args, kwargs, output="return")
-        output = run.output
-        if output.dim() != 2:
-            raise ValueError(
-                "the linearised predictive needs a model returning logits shaped "
-                f"(batch, classes), got shape {tuple(output.shape)}"
-            )
-        rows = torch.eye(output.shape[1], dtype=output.dtype, device=output.device)
-        if contrasts:
-            rows = rows[:-1] - rows[-1]
-        columns = rows.unsqueeze(1).expand(len(rows), *output.shape)
-        return output.detach() @ rows.mT, run.gradients(columns), run
+        return linearize(self._jacobians, args, kwargs, contrasts)
 
     def _covariance(self, grads, delta) -> torch.Tensor:
-        total = sum(block.output_covariance(grads, delta) for block in self._blocks)
-        return self.temperature * total
+        return output_covariance(self._blocks, grads, delta, self.temperature)
 
     # -- evidence and prior precision ------------------------------------------------
 
     def _resolve(self, prior_precision: PriorPrecision) -> dict[str, torch.Tensor]:
-        self._check_fitted()
-        if prior_precision is None:
-            return self._prior_precision
-        saved = self._prior_precision
-        self.prior_precision = prior_precision
-        resolved, self._prior_precision = self._prior_precision, saved
-        return resolved
+        return resolve(self, prior_precision)
 
     def log_marginal_likelihood(self, prior_precision: PriorPrecision = None) -> torch.Tensor:
         """The Laplace evidence (see :mod:`~pyro_bdl.inference.laplace.evidence`).
@@ -981,20 +561,7 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
         self._check_fitted()
-        return self._evidence(self._resolve(prior_precision))
-
-    def _evidence(self, delta: dict[str, torch.Tensor]) -> torch.Tensor:
-        # differentiable in delta, which the prior_precision setter would detach. The
-        # priors that are not Normal (none, in an exact-Hessian fit, whose first term is
-        # the whole log joint) add their log density at the mode to the likelihood's.
-        other = {name: self._loc[name] for name in self._other_priors}
-        return log_marginal_likelihood(
-            self._log_likelihood + self._log_prior(other),
-            self._blocks,
-            self._loc,
-            self._prior_loc,
-            {**self._prior_precision, **delta},
-        )
+        return tuning.evidence(self, self._resolve(prior_precision))
 
     def optimize_prior_precision(
         self,
@@ -1048,52 +615,19 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param bool progress: show a progress bar over the validation batches.
         :return: the new prior precision per site.
         """
-        self._check_fitted()
-        one_of("method", method, ("marglik", "gridsearch"))
-        one_of("structure", structure, ("scalar", "layer"))
-        sites = list(self._model_precision)
-        if not sites:
-            raise ValueError(
-                "optimize_prior_precision: no latent site of this model has a Normal prior "
-                "with fixed parameters, so there is no prior precision to tune (the priors' "
-                "curvature comes from the model); tune the prior's scale in the model"
-            )
-        if method == "marglik":
-            if val_args or val_kwargs:
-                raise ValueError("method='marglik' uses the training data only; drop val_args")
-            num_steps = integer("num_steps", num_steps, low=1)
-            lr = real("lr", lr, positive=True)
-            groups = {"all": sites} if structure == "scalar" else {s: [s] for s in sites}
-            init = {
-                group: torch.stack([self._prior_precision[s].mean() for s in members]).mean()
-                for group, members in groups.items()
-            }
-            sizes = {site: value.numel() for site, value in self._loc.items()}
-            tuned = maximise_evidence(self._evidence, groups, init, num_steps, lr, sizes)
-            self._prior_precision = {**self._prior_precision, **tuned}
-            return self.prior_precision
-        if not val_args and not val_kwargs:
-            raise ValueError(
-                "method='gridsearch' needs the validation data: "
-                "optimize_prior_precision('gridsearch', val_loader, num_data)"
-            )
-        one_of("link", link, LINKS)
-        like = next(iter(self._loc.values()))
-        grid = torch.logspace(-4, 4, 41) if grid is None else torch.as_tensor(grid)
-        grid = grid.to(like).reshape(-1)
-        if not bool((grid > 0).all()) or not bool(torch.isfinite(grid).all()):
-            raise ValueError(f"grid must hold positive finite prior precisions, got {grid}")
-        if structure == "scalar":
-            candidates = [{site: value for site in sites} for value in grid]
-        else:
-            candidates = [
-                {site: value * self._prior_precision[site] for site in sites} for value in grid
-            ]
-        candidates = [{**self._prior_precision, **candidate} for candidate in candidates]
-        nll = self._validation_nll(val_args, val_kwargs, candidates, (link,), num_samples, progress)
-        best = candidates[int(nll[:, 0].argmin())]
-        self._prior_precision = {site: delta.detach().clone() for site, delta in best.items()}
-        return self.prior_precision
+        return tuning.optimize_prior_precision(
+            self,
+            method,
+            val_args,
+            val_kwargs,
+            structure=structure,
+            num_steps=num_steps,
+            lr=lr,
+            grid=grid,
+            link=link,
+            num_samples=num_samples,
+            progress=progress,
+        )
 
     def select_link(
         self,
@@ -1121,58 +655,9 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param int num_samples: logit draws for ``"mc"``.
         :return: the best link and the mean validation NLL of each.
         """
-        self._check_fitted()
-        if not val_args and not val_kwargs:
-            raise ValueError(
-                "select_link needs the validation data: select_link(val_loader, num_data)"
-            )
-        links = tuple(links)
-        if not links:
-            raise ValueError("links must name at least one of ('mc', 'probit', 'bridge')")
-        for name in links:
-            one_of("links", name, LINKS)
-        nll = self._validation_nll(
-            val_args, val_kwargs, [self._prior_precision], links, num_samples, progress
-        )[0]
-        scores = {name: float(value) for name, value in zip(links, nll, strict=True)}
-        self.link = links[int(nll.argmin())]
-        return self.link, scores
-
-    def _validation_nll(self, args, kwargs, candidates, links, num_samples, progress):
-        """Mean NLL ``(len(candidates), len(links))`` of the linearised predictive.
-
-        One linearisation per batch serves every candidate prior precision and link.
-        """
-        num_samples = integer("num_samples", num_samples, low=1)
-        like = next(iter(self._loc.values()))
-        total = torch.zeros(len(candidates), len(links), dtype=like.dtype, device=like.device)
-        count = 0
-        generator = torch.Generator(device=like.device).manual_seed(0)
-        batches = Minibatches(args, kwargs)
-        bar = tqdm(
-            batches.one_pass(),
-            total=batches.batches_per_epoch,
-            desc="validation NLL",
-            disable=not progress,
-            leave=False,
+        return tuning.select_link(
+            self, val_args, val_kwargs, links=links, num_samples=num_samples, progress=progress
         )
-        for batch_args, batch_kwargs in bar:
-            mean, grads, run = self._linearize(batch_args, batch_kwargs)
-            if not run.observation.is_observed:
-                raise ValueError("the validation batches must carry labels")
-            labels = run.observation.value.long().unsqueeze(-1)
-            for i, delta in enumerate(candidates):
-                covariance = self._covariance(grads, delta)
-                for j, name in enumerate(links):
-                    probs = _link(name, mean, covariance, num_samples, generator, contrasts=False)
-                    probs = probs.mean(0) if name == "mc" else probs
-                    picked = probs.gather(-1, labels).squeeze(-1)
-                    total[i, j] -= picked.clamp(min=torch.finfo(probs.dtype).tiny).log().sum()
-            count += len(labels)
-        # data-parallel: every rank's validation shard
-        count = torch.tensor(float(count), dtype=like.dtype, device=like.device)
-        distributed.all_reduce_([total, count])
-        return total / count
 
     # -- continual learning and export -----------------------------------------------
 
@@ -1257,100 +742,3 @@ class LaplaceGuide(GuideState, AutoGuide):
             "prior_precision": values.pop() if len(values) == 1 else precision,
             "log_marginal_likelihood": float(self.log_marginal_likelihood().detach()),
         }
-
-
-def _warn_if_adapters_untrained(values: Mapping[str, torch.Tensor]) -> None:
-    """Warn when every LoRA pair among the sites has the update ``B @ A = 0``: the adapters
-    of a fresh LoRA model (``B = 0``), or the ``A = B = 0`` mode that a MAP search from
-    there falls into. The approximation is then of the pretrained network, whose new head
-    predicts about the same for every input: a silent no-op."""
-    updates = [
-        values[name.replace("lora_A", "lora_B")] @ value
-        for name, value in values.items()
-        if "lora_A" in name and name.replace("lora_A", "lora_B") in values and value.dim() == 2
-    ]
-    # A fine-tuned adapter's update is 1e-4 to 1e-1 per entry; these are 0 or ~1e-14.
-    if updates and all(float(update.abs().max()) < 1e-8 for update in updates):
-        warnings.warn(
-            f"LaplaceGuide.fit: the LoRA adapters are still at their initialisation (B @ A = 0 "
-            f"in all {len(updates)} adapted layers), so this is the Laplace approximation of the "
-            "pretrained network, which predicts about the same for every input. Fine-tune "
-            "first (e.g. pyro_bdl.inference.baselines.map_estimate), then fit(..., map=False) "
-            "at the fine-tuned weights (or map=<their values>)",
-            stacklevel=3,
-        )
-
-
-def _checked_precision(value: PriorPrecision) -> PriorPrecision:
-    """``prior_precision`` as far as it can be checked without the model."""
-    if value is None:
-        return None
-    if isinstance(value, Mapping):
-        for name, delta in value.items():
-            instance("prior_precision's keys", name, str, "latent site names")
-            _check_delta(f"prior_precision[{name!r}]", delta)
-        return value
-    if torch.is_tensor(value) and value.numel() != 1:
-        raise TypeError(
-            f"prior_precision must be None, a number or a dict site -> number or tensor; a "
-            f"tensor of shape {tuple(value.shape)} belongs in the dict, under its site"
-        )
-    return real("prior_precision", value, positive=True)
-
-
-def _check_delta(name: str, delta: object) -> None:
-    if not (torch.is_tensor(delta) and delta.numel() > 1):
-        real(name, delta, positive=True)
-    elif not delta.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {delta.dtype}")
-    elif not bool((delta > 0).all()) or not bool(torch.isfinite(delta).all()):
-        raise ValueError(f"{name} must be positive and finite in every entry")
-
-
-def _link(link, mean, covariance, num_samples, generator, contrasts=True) -> torch.Tensor:
-    """Class probabilities of the logits' Gaussian (MC: the draws, ``(S, B, C)``).
-
-    With ``contrasts`` the MC link's Gaussian is that of the contrasts :math:`f_k - f_C`,
-    :math:`k < C` (see ``_linearize``); otherwise, as for the other links, of the logits.
-    """
-    if link == "mc":
-        if contrasts:
-            padded = torch.nn.functional.pad
-            mean, covariance = padded(mean, (0, 1)), padded(covariance, (0, 1, 0, 1))
-        return mc_probabilities(mean, covariance, num_samples, generator)
-    if link == "probit":
-        return probit(mean, covariance)
-    return laplace_bridge(mean, covariance)
-
-
-def _no_structure(name: str, site, fixed: set[str]) -> str | None:
-    """Why a latent site rules out the GGN and Fisher curvatures, or None."""
-    if not site.is_real:
-        return f"the site {name!r} has the constrained support {site.message['fn'].support}"
-    if name not in fixed:
-        return f"the prior of {name!r} depends on other latent sites (a hierarchical prior)"
-    base = site.message["fn"]
-    while isinstance(base, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
-        base = base.base_dist
-    if base.event_shape:
-        return f"the prior of {name!r} ({type(base).__name__}) couples the entries of its event"
-    return None
-
-
-def _site_log_density(message: dict, value: torch.Tensor) -> torch.Tensor:
-    """A site's log density at ``value``, scaled and masked as the model has it."""
-    log_prob = message["fn"].log_prob(value)
-    return scale_and_mask(log_prob, message["scale"], message["mask"]).sum()
-
-
-def _check_positive_definite(block: HessianBlock, reason: str) -> None:
-    eigenvalues = torch.linalg.eigvalsh(block.hessian)
-    if not bool(eigenvalues[0] > 0):
-        raise ValueError(
-            f"LaplaceGuide: the negative Hessian of the log joint at the fitted point is not "
-            f"positive definite (smallest eigenvalue {float(eigenvalues[0]):.3g}), so the point "
-            "is not a mode and there is no Laplace approximation there (the exact Hessian "
-            f"is used because {reason}). Fit the mode with map=True (more num_steps or "
-            "max_passes), or check the posterior has one (a funnel, such as the centred "
-            "eight schools, has none)"
-        )

@@ -3,9 +3,10 @@ r"""Class probabilities from the linearised (GLM) predictive.
 Linearising the network at the MAP, :math:`f_\theta(x_*) \approx f_{\theta_\text{MAP}}(x_*)
 + J_*(\theta - \theta_\text{MAP})`, turns the Gaussian posterior into a Gaussian over the
 logits, :math:`f(x_*) \sim \mathcal{N}(f_{\theta_\text{MAP}}(x_*), \Lambda)` with
-:math:`\Lambda = J_* \Sigma J_*^\top` (Laplace-LoRA eqs. 10-12, 15-16). The guide computes
-:math:`\Lambda` from one vector-Jacobian product per class; this module maps
-:math:`(f, \Lambda)` to class probabilities:
+:math:`\Lambda = J_* \Sigma J_*^\top` (Laplace-LoRA eqs. 10-12, 15-16). ``linearize`` gives
+:math:`\Lambda` from one vector-Jacobian product per class, at the model linearised by
+the fit's last curvature pass; this module maps :math:`(f, \Lambda)` to class
+probabilities (``glm_predictive`` is :meth:`~pyro_bdl.inference.LaplaceGuide.predictive`):
 
 * ``"mc"`` (Appendix A.1, eq. 17): average the softmax of :math:`S` joint logit samples
   :math:`f + L\xi`, :math:`L L^\top = \Lambda`, the approximation Laplace-LoRA found best;
@@ -27,8 +28,22 @@ from __future__ import annotations
 import math
 
 import torch
+from tqdm.auto import tqdm
 
-__all__ = ["LINKS", "probit", "laplace_bridge", "mc_probabilities"]
+from pyro_bdl._checks import instance, integer, one_of
+from pyro_bdl.inference.laplace.jacobians import ModelJacobians
+from pyro_bdl.inference.minibatch import Minibatches
+
+__all__ = [
+    "LINKS",
+    "probit",
+    "laplace_bridge",
+    "mc_probabilities",
+    "linearize",
+    "output_covariance",
+    "output_distribution",
+    "glm_predictive",
+]
 
 LINKS = ("mc", "probit", "bridge")
 
@@ -70,3 +85,93 @@ def mc_probabilities(
         num_samples, *mean.shape, dtype=mean.dtype, device=mean.device, generator=generator
     )
     return torch.softmax(mean + (noise.unsqueeze(-2) @ root.mT).squeeze(-2), -1)
+
+
+def one_pass(args: tuple, kwargs: dict, desc: str, progress: bool):
+    """The batches of one pass over the model's arguments, behind a progress bar."""
+    batches = Minibatches(args, kwargs)
+    return tqdm(
+        batches.one_pass(),
+        total=batches.batches_per_epoch,
+        desc=desc,
+        disable=not progress,
+        leave=False,
+    )
+
+
+def link_probabilities(link, mean, covariance, num_samples, generator, contrasts=True):
+    """Class probabilities of the logits' Gaussian (MC: the draws, ``(S, B, C)``).
+
+    With ``contrasts`` the MC link's Gaussian is that of the contrasts :math:`f_k - f_C`,
+    :math:`k < C` (see :func:`linearize`); otherwise, as for the other links, of the logits.
+    """
+    if link == "mc":
+        if contrasts:
+            padded = torch.nn.functional.pad
+            mean, covariance = padded(mean, (0, 1)), padded(covariance, (0, 1, 0, 1))
+        return mc_probabilities(mean, covariance, num_samples, generator)
+    if link == "probit":
+        return probit(mean, covariance)
+    return laplace_bridge(mean, covariance)
+
+
+def linearize(jacobians: ModelJacobians, args: tuple, kwargs: dict, contrasts: bool = False):
+    """The linearised outputs at the MAP, their per-example Jacobian rows, the run.
+
+    With ``contrasts`` the outputs are the ``C - 1`` logit differences
+    :math:`f_k - f_C`: the softmax is shift invariant, so their Gaussian carries the
+    whole MC predictive at one vector-Jacobian product fewer per batch.
+
+    :param jacobians: the model linearised at the MAP (the fit's curvature pass's).
+    """
+    run = jacobians(args, kwargs, output="return")
+    output = run.output
+    if output.dim() != 2:
+        raise ValueError(
+            "the linearised predictive needs a model returning logits shaped "
+            f"(batch, classes), got shape {tuple(output.shape)}"
+        )
+    rows = torch.eye(output.shape[1], dtype=output.dtype, device=output.device)
+    if contrasts:
+        rows = rows[:-1] - rows[-1]
+    columns = rows.unsqueeze(1).expand(len(rows), *output.shape)
+    return output.detach() @ rows.mT, run.gradients(columns), run
+
+
+def output_covariance(blocks, grads, delta, temperature: float) -> torch.Tensor:
+    r""":math:`\Lambda = T J_* P^{-1} J_*^\top`, block by block, ``(B, K, K)``."""
+    return temperature * sum(block.output_covariance(grads, delta) for block in blocks)
+
+
+def output_distribution(guide, args: tuple, kwargs: dict, delta) -> tuple[torch.Tensor, ...]:
+    """:meth:`LaplaceGuide.output_distribution <.guide.LaplaceGuide.output_distribution>`
+    at the prior precision ``delta``."""
+    means, covariances = [], []
+    for batch_args, batch_kwargs in Minibatches(args, kwargs).one_pass():
+        mean, grads, _ = guide._linearize(batch_args, batch_kwargs)
+        means.append(mean)
+        covariances.append(guide._covariance(grads, delta))
+    return torch.cat(means), torch.cat(covariances)
+
+
+def glm_predictive(
+    guide, args, kwargs, *, link, num_samples, return_samples, generator, prior_precision, progress
+) -> torch.Tensor:
+    """:meth:`LaplaceGuide.predictive <.guide.LaplaceGuide.predictive>` (``link`` None:
+    the guide's) at ``prior_precision`` (None: the guide's)."""
+    link = one_of("link", guide.link if link is None else link, LINKS)
+    num_samples = integer("num_samples", num_samples, low=1)
+    instance("return_samples", return_samples, bool, "True or False")
+    if generator is not None:
+        instance("generator", generator, torch.Generator, "a torch.Generator or None")
+    instance("progress", progress, bool, "True or False")
+    if return_samples and link != "mc":
+        raise ValueError(f"return_samples=True needs link='mc', got link={link!r}")
+    delta = guide._resolve(prior_precision)
+    results = []
+    for batch_args, batch_kwargs in one_pass(args, kwargs, "GLM predictive", progress):
+        mean, grads, _ = guide._linearize(batch_args, batch_kwargs, contrasts=link == "mc")
+        covariance = guide._covariance(grads, delta)
+        probs = link_probabilities(link, mean, covariance, num_samples, generator)
+        results.append(probs if return_samples or link != "mc" else probs.mean(0))
+    return torch.cat(results, dim=-2)

@@ -32,6 +32,7 @@ from pyro_bdl.inference.laplace.curvature import (
     KronLowRank,
 )
 from pyro_bdl.inference.laplace.curvature.factors import Eigen
+from pyro_bdl.inference.laplace.curvature_pass import CurvaturePass
 from pyro_bdl.inference.laplace.hessian import HessianBlock
 from pyro_bdl.inference.laplace.jacobians import ModelJacobians
 from pyro_bdl.inference.sites import LatentSites
@@ -96,16 +97,16 @@ def restore_laplace(guide, state: dict, tensors: dict[str, torch.Tensor]) -> Non
     guide._prior_loc = {
         name: tensors[f"prior_loc/{name}"].expand(loc[name].shape) for name in normal
     }
-    guide._gradient = (
-        {name: tensors[f"gradient/{name}"] for name in loc} if state["gradient"] else None
-    )
-    guide._log_likelihood = tensors["log_likelihood"]
-    guide.num_data, guide.link = state["num_data"], state["link"]
+    guide.link = state["link"]
     factors: dict[int, Eigen] = {}
-    guide._blocks = [
-        _make_block(i, entry, tensors, factors) for i, entry in enumerate(state["blocks"])
-    ]
-    guide._jacobians = None if reason else ModelJacobians(guide._laplace_model[0], loc)
+    CurvaturePass(
+        blocks=[_make_block(i, entry, tensors, factors) for i, entry in enumerate(state["blocks"])],
+        log_likelihood=tensors["log_likelihood"],
+        num_data=state["num_data"],
+        gradient={name: tensors[f"gradient/{name}"] for name in loc} if state["gradient"] else None,
+        # the model linearised at the loaded MAP, for the predictive
+        jacobians=None if reason else ModelJacobians(guide._laplace_model[0], loc),
+    ).adopt(guide)
 
 
 def _block_state(index: int, block, tensors: dict, factors: dict[int, int]) -> dict:

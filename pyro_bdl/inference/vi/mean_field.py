@@ -332,12 +332,50 @@ class MeanFieldGuide(GuideState, AutoGuide):
         self._prior_cache = (fns, (locs, scales))
         return locs, scales
 
-    def get_posterior(self, name: str) -> torch.distributions.Distribution:
-        """The variational distribution of one site's unconstrained value,
-        ``VariationalNormal(...).to_event()`` (of the site itself where it has real support)."""
-        loc, scale = self._loc_and_scale(name)
+    def get_posterior(self, *args, **kwargs) -> torch.distributions.Distribution:
+        """The variational distribution of the flat unconstrained latent vector, as
+        Pyro's ``AutoContinuous`` guides give it: every site's unconstrained value
+        flattened, end to end in the model's order, under
+        ``VariationalNormal(loc, scale).to_event(1)`` (its samples and density those of
+        ``AutoDiagonalNormal.get_posterior()``).
+
+        ``get_posterior(name)`` (or ``name=...``), a site's name alone, is this guide's
+        older form: the distribution of that site's unconstrained value, shaped like the
+        site, ``VariationalNormal(...).to_event()``. A model whose first argument is a
+        string passes it by keyword.
+
+        Example::
+
+            posterior = guide.get_posterior(batch, num_data)    # the model's arguments
+            site = guide.get_posterior("net.0.weight")          # one site
+
+        :param args: the model's arguments (read if the guide has not seen the model
+            yet), or one site's name.
+        """
+        if not args and len(kwargs) == 1 and isinstance(kwargs.get("name"), str):
+            args, kwargs = (kwargs["name"],), {}  # the older form's keyword, name=...
+        if args and isinstance(args[0], str):
+            if len(args) > 1 or kwargs:
+                raise TypeError(
+                    f"get_posterior({args[0]!r}, ...): a site's name comes alone; pass the "
+                    "model's arguments without it, a string argument of the model by keyword"
+                )
+            return self._site_posterior(args[0])
+        self._require_setup(*args, **kwargs)
+        locs, scales = self._locs_and_scales()
+        return self._normal(self.sites.pack(locs), self.sites.pack(scales), 1)
+
+    def _site_posterior(self, name: str) -> torch.distributions.Distribution:
+        event_dims = getattr(self, "_event_dims", {})  # set when the guide reads the model
+        if name not in event_dims:
+            raise KeyError(
+                f"get_posterior: {name!r} is not a latent site of the model {list(event_dims)}"
+            )
+        return self._normal(*self._loc_and_scale(name), event_dims[name])
+
+    def _normal(self, loc, scale, event_dim: int) -> torch.distributions.Distribution:
         normal = VariationalNormal(loc, scale, self.temperature, self.stick_the_landing)
-        return normal.to_event(self._event_dims[name])
+        return normal.to_event(event_dim)
 
     def forward(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """Draw every latent site from its Gaussian (used by ``SVI`` and ``Predictive``).

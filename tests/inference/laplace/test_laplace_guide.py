@@ -46,6 +46,40 @@ def test_draws_have_the_covariance_of_the_precision(helpers, curvature):
         assert torch.all(flat.mean(0).abs() <= 5 * mean_error)
 
 
+@pytest.mark.parametrize("curvature", CURVATURES, ids=str)
+def test_get_posterior_is_the_gaussian_of_the_flat_latent_vector(helpers, curvature):
+    # Against the block-diagonal T P^-1, each block's precision read through quadratic()
+    # alone (not the square root that get_posterior uses); sites flattened in model order.
+    guide, _, x, y = fitted(helpers, curvature, temperature=0.5)
+    posterior = guide.get_posterior((x, y), len(x))
+    loc = guide.median()
+    sizes = {site: loc[site].numel() for site in guide.sites}
+    starts = dict(zip(sizes, [0, *torch.tensor(list(sizes.values())).cumsum(0).tolist()]))
+    covariance = torch.zeros(sum(sizes.values()), sum(sizes.values()))
+    for block in guide._blocks:
+        index = torch.cat([torch.arange(starts[s], starts[s] + sizes[s]) for s in block.sites])
+        inverse = torch.linalg.inv(helpers.dense_precision(block, guide.prior_precision))
+        covariance[index.unsqueeze(-1), index] = 0.5 * inverse
+    torch.testing.assert_close(posterior.mean, torch.cat([loc[s].flatten() for s in sizes]))
+    assert posterior.event_shape == (len(covariance),)
+    if str(curvature).startswith("diag"):
+        assert isinstance(posterior.base_dist, dist.Normal)
+        torch.testing.assert_close(posterior.variance, covariance.diagonal())
+        torch.testing.assert_close(covariance, covariance.diagonal().diag())
+    else:
+        assert isinstance(posterior, dist.MultivariateNormal)
+        torch.testing.assert_close(posterior.covariance_matrix, covariance)
+
+
+def test_get_posterior_of_a_large_kfac_fit_says_what_to_use_instead(helpers, monkeypatch):
+    guide, _, _, _ = fitted(helpers, "kron")
+    monkeypatch.setattr("pyro_bdl.inference.laplace.guide._DENSE_LIMIT", 10)
+    with pytest.raises(NotImplementedError, match="sample_posterior.*variance"):
+        guide.get_posterior()
+    full, _, _, _ = fitted(helpers, "full")  # already dense: any size
+    assert isinstance(full.get_posterior(), dist.MultivariateNormal)
+
+
 @pytest.mark.parametrize("curvature", ["diag_ggn", "kron", "full"])
 def test_the_guide_trace_has_the_gaussian_log_density(helpers, curvature):
     guide, _, x, y = fitted(helpers, curvature)

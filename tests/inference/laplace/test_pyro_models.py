@@ -84,6 +84,19 @@ def test_full_matches_auto_laplace_approximation(name, helpers):
         torch.testing.assert_close(covariance, exact, **TOLERANCE)
 
 
+@pytest.mark.parametrize("name", ["regression", "counts_deterministic"])
+def test_get_posterior_is_auto_laplace_approximations(name):
+    # Constrained sites, a hierarchical prior: the exact Hessian's Gaussian over the flat
+    # unconstrained vector, packed as Pyro packs it (AutoMultivariateNormal.get_posterior).
+    entry = MODELS[name]
+    pyro.set_rng_seed(0)
+    posterior = _fit(*entry.make()).get_posterior()
+    loc, covariance = _auto_laplace(*entry.make(full_batch=True))
+    assert isinstance(posterior, dist.MultivariateNormal)
+    torch.testing.assert_close(posterior.loc, loc, **TOLERANCE)
+    torch.testing.assert_close(posterior.covariance_matrix, covariance, **TOLERANCE)
+
+
 @pytest.mark.parametrize("curvature", ["diag_ggn", "kron", KronLowRank(rank=2), "full"], ids=str)
 @pytest.mark.parametrize("name", ["scale", "annealed_scale"])
 def test_every_curvature_that_applies_is_the_closed_form(name, curvature, helpers):

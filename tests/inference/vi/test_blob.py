@@ -265,3 +265,14 @@ def test_guide_exports_to_arviz_with_its_approximation_and_settings(make_lora_ne
         torch.as_tensor(scale), guide.approximation_parameters()[f"{site}.scale"]
     )
     assert idata["posterior"].attrs["eps"] == 0.1
+
+
+def test_get_posterior_is_the_random_sites_gaussian(make_lora_net, make_classifier):
+    # BLoB's q over A alone (B is a point): its flat Gaussian is N(M, G^2) entry by entry
+    # (BLoB eq. 8, sigma = G^2), as the site's own posterior gives it.
+    net, _, guide = _guide(make_lora_net, make_classifier, eps=0.2)
+    site, m, g = _g(guide)
+    posterior = guide.get_posterior(torch.randn(6, 5, **F64), torch.zeros(6, dtype=torch.long))
+    torch.testing.assert_close(posterior.mean, m.detach().flatten())
+    torch.testing.assert_close(posterior.stddev, g.detach().square().flatten())
+    torch.testing.assert_close(guide.get_posterior(site).mean, m.detach())

@@ -211,3 +211,13 @@ def test_stddevs_are_every_sites_scale_in_one_vector():
     expected = torch.cat([parameters[f"{name}.scale"].flatten() for name in guide.site_names])
     torch.testing.assert_close(guide.stddevs(), expected)
     assert guide.stddevs().numel() == layer.weight.numel() + layer.bias.numel()
+
+
+def test_get_posterior_by_site_name_refuses_what_is_not_one_site():
+    guide = MeanFieldGuide(_prior_only(), init_scale=0.3)
+    guide()
+    assert guide.get_posterior().event_shape == (12,)  # the flat vector of w's 4 x 3
+    with pytest.raises(KeyError, match="'v' is not a latent site of the model \\['w'\\]"):
+        guide.get_posterior("v")
+    with pytest.raises(TypeError, match="a site's name comes alone"):
+        guide.get_posterior("w", 1)

@@ -16,7 +16,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
-from pyro.infer.autoguide import AutoNormal, init_to_mean
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal, init_to_mean, init_to_sample
 from pyro_models import MODELS
 
 from pyro_bdl.inference import IVONSVI, IVONGuide, MeanFieldGuide, fit_ivon
@@ -115,6 +115,34 @@ def test_the_optimum_is_autonormals(name):
     for site, value in expected.items():
         sd = float(value[1] - value[0])
         torch.testing.assert_close(found[site], value, atol=0.25 * sd, rtol=0)
+
+
+@pytest.mark.parametrize("guide_class", [MeanFieldGuide, IVONGuide])
+def test_get_posterior_takes_the_models_arguments_and_packs_as_pyro(guide_class):
+    # The flat vector of every site's unconstrained value, laid out as Pyro's
+    # AutoContinuous guides lay it out (read back by AutoDiagonalNormal's own unpacking),
+    # each site's part that site's Gaussian; a site's name alone still gives that site's.
+    model, args, kwargs = MODELS["regression"].make(full_batch=True)
+    pyro.set_rng_seed(0)
+    ours = guide_class(model, init_loc_fn=init_to_sample)
+    posterior = ours.get_posterior(*args, **kwargs)
+    reference = AutoDiagonalNormal(model)
+    reference(*args, **kwargs)
+    assert posterior.event_shape == reference.get_posterior().event_shape
+    z = posterior.sample((3,))
+    log_density = 0.0
+    for site, value in reference._unpack_latent(z):
+        one = ours.get_posterior(site["name"])
+        assert ours.get_posterior(name=site["name"]).event_shape == one.event_shape
+        assert one.event_shape == value.shape[1:]
+        log_density = log_density + one.log_prob(value)
+    torch.testing.assert_close(posterior.log_prob(z), log_density)
+    parts = dict((site["name"], value) for site, value in reference._unpack_latent(posterior.mean))
+    for name, value in ours.median().items():
+        transform = torch.distributions.biject_to(
+            reference.prototype_trace.nodes[name]["fn"].support
+        )
+        torch.testing.assert_close(transform(parts[name]), value)
 
 
 def _log_normal_model(replicas=1):
