@@ -14,10 +14,19 @@ import torch.multiprocessing as mp
 from pyro_bdl import distributed
 
 
-def run_ranks(fn: Callable, *args, world_size: int = 2, timeout_s: float = 300.0) -> None:
-    """Call ``fn(rank, *args)`` in ``world_size`` forked processes with torchrun's variables.
+def run_ranks(
+    fn: Callable,
+    *args,
+    world_size: int = 2,
+    timeout_s: float = 300.0,
+    start_method: str = "fork",
+) -> None:
+    """Call ``fn(rank, *args)`` in ``world_size`` processes with torchrun's variables.
 
-    Forked, not spawned: the children need not import torch and pyro again (seconds each).
+    Forked by default, not spawned: the children need not import torch and pyro again
+    (seconds each). ``start_method="spawn"`` starts them afresh, for work that does not
+    survive a fork of a parent that has computed with several threads (``fn`` must then be
+    importable by name).
     Raises ``torch.multiprocessing.ProcessRaisedException`` / ``ProcessExitedException``
     if a rank fails (the others are then terminated), and ``TimeoutError`` if the ranks
     are not done within ``timeout_s`` seconds, so that a hang fails its test.
@@ -28,7 +37,7 @@ def run_ranks(fn: Callable, *args, world_size: int = 2, timeout_s: float = 300.0
         args=(fn, world_size, port, args),
         nprocs=world_size,
         join=False,
-        start_method="fork",
+        start_method=start_method,
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):

@@ -75,7 +75,9 @@ def _rank(rank, out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("trainers")
-    run_ranks(_rank, str(out))
+    # Spawned: a Trainer in a child forked from a parent whose OpenMP pool has run (any
+    # earlier test that computed with two threads) hangs in its first steps.
+    run_ranks(_rank, str(out), start_method="spawn")
     ranks = [load_file(out / f"rank{r}.st") for r in range(2)]
     from accelerate.state import AcceleratorState
 
