@@ -8,11 +8,10 @@ dict examples that the Trainer's default collator stacks.
 import pyro
 import torch
 from peft import LoraConfig, get_peft_model
+from tiny_models import tiny_llama
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
-    LlamaConfig,
-    LlamaForCausalLM,
     TrainerCallback,
     TrainingArguments,
 )
@@ -51,17 +50,7 @@ def bert(seed: int = 0, dtype: torch.dtype = torch.float64):
 
 def llama(seed: int = 0, dtype: torch.dtype = torch.float64):
     """A 2-layer Llama causal LM with LoRA on q_proj and v_proj (its LM head frozen)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    base = LlamaForCausalLM(config).to(dtype)
+    base = tiny_llama(seed, dtype, vocab_size=VOCAB, max_position_embeddings=32)
     lora = LoraConfig(
         r=2,
         lora_alpha=4,

@@ -14,7 +14,8 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
+from transformers import BertConfig, BertForSequenceClassification
 
 import pyro_bdl as bdl
 from pyro_bdl import lm
@@ -29,19 +30,7 @@ NUM_DATA = 100
 
 def _lora(dtype=torch.float64, adapters_random="AB", seed=0):
     """A tiny Llama with LoRA on q/v whose adapters are all non-zero (a fine-tuned look)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    base = LlamaForCausalLM(config).to(dtype)
+    base = tiny_llama(seed, dtype, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lora = lora_model(base, "causal_lm", rank=2, dropout=0.0, adapters_random=adapters_random)

@@ -1,6 +1,7 @@
 import pytest
+import tiny_models
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 VOCAB = 48
 
@@ -10,17 +11,7 @@ def tiny_llama():
     """A factory of tiny Llama causal LMs; the same seed gives the same weights."""
 
     def build(seed: int = 0, dtype: torch.dtype = torch.float64) -> LlamaForCausalLM:
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=64,
-        )
-        return LlamaForCausalLM(config).to(dtype)
+        return tiny_models.tiny_llama(seed, dtype, vocab_size=VOCAB)
 
     return build
 
