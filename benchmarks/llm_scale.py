@@ -219,16 +219,22 @@ def make_loader(size: dict, vocab: int, seed: int) -> DataLoader:
     return DataLoader(rows, batch_size=size["batch_size"], collate_fn=collate)
 
 
-def build(args: argparse.Namespace):
-    """The LoRA model (A and B random: Laplace, SGHMC) and its BLoB lifting (A random)."""
+def random_llama(model: dict, args: argparse.Namespace):
+    """A frozen Llama of ``model``'s ``LlamaConfig`` arguments, random weights from
+    ``args.seed``, on ``args.device`` in ``args.dtype`` (also ``lm_uncertainty.py``'s)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    size = SIZES[args.size]
-    config = LlamaConfig(**size["model"], max_position_embeddings=4096)
+    config = LlamaConfig(**model, max_position_embeddings=4096)
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         base = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
-    base.requires_grad_(False)
+    return base.requires_grad_(False)
+
+
+def build(args: argparse.Namespace):
+    """The LoRA model (A and B random: Laplace, SGHMC) and its BLoB lifting (A random)."""
+    size = SIZES[args.size]
+    base = random_llama(size["model"], args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lora = lora_model(
@@ -247,7 +253,7 @@ def build(args: argparse.Namespace):
             torch.nn.init.normal_(param, std=0.02)
     blob_net = bdl.lift(lora.peft_model, bdl.priors.IIDNormal(0.2), random="lora_A", point="lora_B")
     blob_model = BayesianNet(blob_net, AnswerTokens(LABEL_TOKENS))
-    return lora, blob_model, make_loader(size, config.vocab_size, args.seed)
+    return lora, blob_model, make_loader(size, base.config.vocab_size, args.seed)
 
 
 def peft_logits(peft_model, batch):

@@ -54,7 +54,7 @@ import warnings
 import pyro
 import torch
 from llm_scale import SIZES as LLM_SIZES
-from llm_scale import Memory, synchronize
+from llm_scale import Memory, random_llama, synchronize
 
 from pyro_bdl import lm
 from pyro_bdl.models import lora_model
@@ -80,14 +80,8 @@ SIZES = {
 
 def build(args: argparse.Namespace):
     """The LoRA causal LM, a batch, prompts and ``max(args.draws)`` draws of the adapters."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     size = SIZES[args.size]
-    config = LlamaConfig(**size["model"], max_position_embeddings=4096)
-    torch.manual_seed(args.seed)
-    with torch.device(args.device):
-        base = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
-    base.requires_grad_(False)
+    base = random_llama(size["model"], args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lora = lora_model(base, "causal_lm", rank=8, alpha=16, dropout=0.0)
@@ -96,7 +90,7 @@ def build(args: argparse.Namespace):
             torch.nn.init.normal_(param, std=0.02)
     generator = torch.Generator().manual_seed(args.seed)
     shape = (size["batch_size"], size["length"])
-    input_ids = torch.randint(3, config.vocab_size, shape, generator=generator)
+    input_ids = torch.randint(3, base.config.vocab_size, shape, generator=generator)
     batch = {"input_ids": input_ids, "labels": input_ids}
     prompts = input_ids[:, : size["prompt"]].to(args.device)
     values = lora.net.init_values()
