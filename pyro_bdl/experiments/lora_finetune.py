@@ -75,6 +75,7 @@ __all__ = [
     "single_thread",
     "fine_tune_map",
     "point_draws",
+    "guide_draws",
     "laplace_draws",
     "lora_dropout",
     "sghmc_chains",
@@ -588,6 +589,11 @@ def point_draws(model: Callable, fits: Sequence[Mapping[str, torch.Tensor]]) -> 
     """Class probabilities of each fitted weight value, ``(len(fits), B, C)``."""
     samples = {site: torch.stack([fit[site] for fit in fits]) for site in fits[0]}
     return lambda batch: predict_proba(model, batch, samples=samples)
+
+
+def guide_draws(model: Callable, guide: Callable, num_samples: int) -> Draws:
+    """Class probabilities of ``num_samples`` draws of a fitted guide, ``(S, B, C)``."""
+    return lambda batch: predict_proba(model, batch, guide=guide, num_samples=num_samples)
 
 
 def laplace_draws(guide: LaplaceGuide, num_samples: int, seed: int, link: str = "mc") -> Draws:
