@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("float64")
 
 MIN_ESS = 100
 #: (kernel, model, minibatch) -> (warm-up steps, draws): enough draws for MIN_ESS at each
-#: seed measured, 0-5 (minibatch: 0-2), on 2 shared CPU cores; the figures per seed are in
+#: seed measured, 0-5, on 2 shared CPU cores; the figures per seed are in
 #: the closing note of issue 22. Not every seed passes: SGHMC's sd on the Gaussian is 1.21
 #: and 1.15 at seeds 2 and 4 at ESS over 1,000, a bias (at d = 2 the step-size iteration,
 #: which moves every step on a statistic as noisy as its mean, cools the chain it measures,
@@ -54,8 +54,9 @@ MIN_ESS = 100
 #:   0.08, SGHMC 0.15, of a target of 0.1) and the mass grows with it (1 + N / B times
 #:   the curvature), so a chain needs about N / (2 B target_excess) steps per independent
 #:   draw whatever its step size, some five passes through the data. SGHMC: bulk ESS 11
-#:   of 5,000 draws, 202 to 302 of 60,000 over seeds 0-2, so 40,000; SGLD: 29 of 12,000,
-#:   105 to 170 of 60,000 (the most a slow test affords, about a minute).
+#:   of 5,000 draws, 202 to 302 of 60,000 over seeds 0-2, so 40,000 (105 to 181 at seeds
+#:   3-5); SGLD: 29 of 12,000, 105 to 174 of 60,000 over seeds 0-5 (the most a slow test
+#:   affords, about a minute; at seed 4 a mean is 0.22 sd off, 2.9 Monte Carlo errors).
 RUNS = {
     ("SGHMC", "gaussian", None): (500, 3000),
     ("SGHMC", "breast_cancer", None): (1000, 8000),
