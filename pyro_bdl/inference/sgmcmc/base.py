@@ -76,9 +76,11 @@ __all__ = ["SGMCMCKernel", "DivergenceError"]
 class SGMCMCKernel(MCMCKernel):
     """Base class of the tempered SGMCMC kernels; subclasses define one update.
 
-    A subclass implements ``_new_state`` (its :class:`~pyro_bdl.inference.sgmcmc.state.ChainState`
-    with auxiliary variables such as momenta, listed in its ``SAVED`` for checkpoints)
-    and ``_update`` (the in-place step given the gradient).
+    A subclass implements ``_new_state`` (its
+    :class:`~pyro_bdl.inference.sgmcmc.state.ChainState`, with auxiliary variables such
+    as momenta listed in its ``SAVED`` for checkpoints) and ``_update`` (the in-place
+    step given the gradient). The chain's state is ``kernel.state``, the last step's
+    :class:`~pyro_bdl.inference.sgmcmc.state.StepInfo` is ``kernel.info``.
 
     :param callable model: a Pyro model; DataLoader arguments of ``MCMC.run`` are
         replaced by a fresh minibatch at every step.

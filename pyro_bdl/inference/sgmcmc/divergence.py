@@ -2,7 +2,7 @@
 
 A step whose potential energy or parameters are non-finite stops the chain with a
 :class:`DivergenceError` holding the draws kept before it. Its message says what was
-non-finite, found by :func:`diagnose` once the chain has diverged (so it may read the
+non-finite, found by ``diagnose`` once the chain has diverged (so it may read the
 device freely), in order: the data of that step; then the model on that step's batch
 at the chain's start, where the model was finite, with Pyro's validation on (which
 names invalid distribution parameters and observations outside the support) and each

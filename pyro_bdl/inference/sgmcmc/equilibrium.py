@@ -4,9 +4,9 @@ In equilibrium the momenta of SGHMC and SGNHT are :math:`\mathcal{N}(0, \sigma^2
 so the sample statistic ``kinetic_temperature``, :math:`N m^\top m / (\sigma^2 d)` over
 the :math:`d` parameters at each kept draw, fluctuates around a target the kernel
 knows (:math:`T` up to its discretisation) with a relative spread :math:`\sqrt{2/d}`
-per draw. When a chain ends, :func:`kinetic_warning` compares the mean over the later
+per draw. When a chain ends, ``kinetic_warning`` compares the mean over the later
 and over the earlier half of its kept draws with that target; a distance beyond
-:data:`KINETIC_TOLERANCE` plus four standard errors is a warning, saying whether the
+``KINETIC_TOLERANCE`` (0.1) plus four standard errors is a warning, saying whether the
 draws are likely too narrow (a cold chain) or too wide (a hot one) and what to do.
 """
 
@@ -53,7 +53,7 @@ def kinetic_warning(
     :param dict stats: the chain's sample statistics (``kinetic_temperature`` and
         ``step_size`` per kept draw).
     :param float temperature: :math:`T`; no check at 0, nor with fewer than
-        :data:`MIN_DRAWS_FOR_CHECK` draws.
+        ``MIN_DRAWS_FOR_CHECK`` draws.
     :param int thin: kernel steps per kept draw.
     :param int dimension: :math:`d`.
     :param callable target: the expected kinetic temperature in equilibrium.

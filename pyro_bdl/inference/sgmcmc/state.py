@@ -36,8 +36,8 @@ class ChainState:
     :ivar int step: kernel steps taken, warm-up included (thinning makes several per
         iteration).
     :ivar int iteration: ``pyro.infer.MCMC`` iterations done.
-    :ivar adaptation: the warm-up :class:`~pyro_bdl.inference.sgmcmc.adaptation.Adaptation`,
-        or None when nothing adapts.
+    :ivar adaptation: the warm-up ``Adaptation`` (see
+        :mod:`~pyro_bdl.inference.sgmcmc.adaptation`), or None when nothing adapts.
     :ivar scale: :math:`D^{-1/2}` of an adapted diagonal mass per parameter, or None.
     :ivar bool adapting: whether the step in progress is an adapting warm-up step.
     :ivar float potential_energy: the last minibatch potential energy read from the
