@@ -40,6 +40,7 @@ draw.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -57,9 +58,9 @@ from pyro_bdl.inference.log_joint import observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.adaptation import DEFAULT_TARGET_EXCESS, Adaptation
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
-from pyro_bdl.inference.sgmcmc.convergence import ConvergenceMonitor
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise, norm
 from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start, diagnose
+from pyro_bdl.inference.sgmcmc.kept import KeptDraws
 from pyro_bdl.inference.sgmcmc.schedules import Constant
 from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
 from pyro_bdl.inference.sgmcmc.target import (
@@ -171,7 +172,8 @@ class SGMCMCKernel(MCMCKernel):
         # what setup sets per chain; cleanup after a setup that failed finds no chain
         self.state: ChainState | None = None
         self.info: StepInfo | None = None  # the last step's
-        self._store, self._chain_checked = None, True
+        self.kept: KeptDraws | None = None
+        self._chain_checked = True
 
     # -- hyperparameters -------------------------------------------------------------
 
@@ -232,12 +234,10 @@ class SGMCMCKernel(MCMCKernel):
         state.scale = None if state.adaptation is None else state.adaptation.scale
         self.info = None
         self._watch = LaggedRead()
-        self._stats: dict[str, list[float]] = {key: [] for key in self._stat_names()}
-        self._draws: list[dict[str, torch.Tensor]] = []
-        self._monitor = ConvergenceMonitor(state.params)
-        self._chain_checked = False
         chain = chain_number(self._chain_id)
-        self._store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
+        store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
+        self.kept = KeptDraws(self._stat_names(), state.params, store, self.keep_draws)
+        self._chain_checked = False
 
     def _target(self, args: tuple, kwargs: dict) -> Target:
         """The model's latent sites at the chain's start, checked, and ``num_data``."""
@@ -282,11 +282,12 @@ class SGMCMCKernel(MCMCKernel):
         return Target(self.model, sites, bijections)
 
     def sample(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        state = self.state
-        if self._store is not None and self._store.replaying(state.iteration):
-            self._returned = self._store.replay(state.iteration)
+        state, store = self.state, self.kept.checkpoint
+        if store is not None and store.replaying(state.iteration):
+            self._returned = store.replay(state.iteration)
             if state.iteration >= self._warmup_steps:
-                self._monitor.add(self._monitor.coordinates(self._returned).tolist())
+                monitor = self.kept.monitor
+                monitor.add(monitor.coordinates(self._returned).tolist())
         else:
             self._adopt(params)
             if state.iteration == self._warmup_steps:
@@ -298,8 +299,8 @@ class SGMCMCKernel(MCMCKernel):
                 self._step_once(record=not warmup and inner == self.thin - 1)
             if not warmup:
                 self._keep_draw()
-            elif self._store is not None and (state.iteration + 1) % self.checkpoint_every == 0:
-                self._store.save_state(state.iteration + 1)
+            elif store is not None and (state.iteration + 1) % self.checkpoint_every == 0:
+                store.save_state(state.iteration + 1)
             self._returned = state.current
         state.iteration += 1
         return self._returned
@@ -325,14 +326,13 @@ class SGMCMCKernel(MCMCKernel):
                 "state the warm-up ends at)"
             )
         self._check_chain()
-        return {"sample_stats": {key: list(values) for key, values in self._stats.items()}}
+        return {"sample_stats": self.kept.sample_stats()}
 
     def cleanup(self) -> None:
         self._check_chain()
         # Pyro now holds its own copy of every draw; drop ours unless they are on disk.
-        self._draws = []
-        if self._store is not None:
-            self._store.close()
+        if self.kept is not None:
+            self.kept.release()
 
     # -- what subclasses define ------------------------------------------------------
 
@@ -357,10 +357,19 @@ class SGMCMCKernel(MCMCKernel):
         """A sentence saying the finished chain is off its stationary law, or None."""
         return None
 
+    # The chain's step count, its statistics and its checkpoint by their former names.
+
     @property
     def _step(self) -> int:
-        """Kernel steps taken (the chain state's count)."""
         return self.state.step
+
+    @property
+    def _stats(self) -> dict[str, list[float]]:
+        return self.kept.stats
+
+    @property
+    def _store(self) -> Checkpoint | None:
+        return None if self.kept is None else self.kept.checkpoint
 
     # -- the shared step -------------------------------------------------------------
 
@@ -519,10 +528,10 @@ class SGMCMCKernel(MCMCKernel):
         # the coordinates the convergence check follows.
         scalars = [torch.as_tensor(device_stats[key]).reshape(()) for key in names]
         largest = torch.stack(torch._foreach_norm(state.theta, ord=math.inf)).max()
-        followed = self._monitor.coordinates(state.params).to(largest)
+        followed = self.kept.monitor.coordinates(state.params).to(largest)
         read = torch.cat([torch.stack([s.to(largest) for s in scalars] + [largest]), followed])
         read = read.tolist()
-        self._monitor.add(read[len(names) + 1 :])
+        self.kept.monitor.add(read[len(names) + 1 :])
         read = read[: len(names) + 1]
         stats = dict(zip(names, read))
         if not math.isfinite(read[-1]):
@@ -531,13 +540,8 @@ class SGMCMCKernel(MCMCKernel):
         if not math.isfinite(stats["potential_energy"]):
             self._diverged(info, f"the potential energy is {stats['potential_energy']}")
         stats.update(step_size=info.step_size, temperature=self.temperature)
-        for key in self._stats:
-            self._stats[key].append(float(stats[key]))
-        if self._store is not None:
-            draw = self.constrained_values(device="cpu")
-            self._store.save_draw(state.iteration - self._warmup_steps, draw, state.iteration + 1)
-        elif self.keep_draws:
-            self._draws.append(self.constrained_values(device="cpu"))
+        draw = functools.partial(self.constrained_values, device="cpu")
+        self.kept.add(stats, draw, state.iteration - self._warmup_steps, state.iteration + 1)
 
     def constrained_values(
         self, device: str | torch.device | None = None
@@ -558,12 +562,7 @@ class SGMCMCKernel(MCMCKernel):
 
     def get_draws(self) -> dict[str, torch.Tensor]:
         """The draws kept so far by this kernel: name -> ``(num_draws, *shape)``, on the CPU."""
-        if self._store is not None:
-            return self._store.draws()
-        draws = self._draws
-        if not draws:
-            return {}
-        return {name: torch.stack([d[name] for d in draws]) for name in draws[0]}
+        return self.kept.draws()
 
     def _diverged(self, info: StepInfo, symptom: str) -> None:
         cause = diagnose(
@@ -590,7 +589,7 @@ class SGMCMCKernel(MCMCKernel):
             "before it are in this error's .draws and in kernel.get_draws()",
             step=step,
             draws=draws,
-            sample_stats={key: list(v) for key, v in self._stats.items()},
+            sample_stats=self.kept.sample_stats(),
             cause=cause,
         )
 
@@ -603,7 +602,7 @@ class SGMCMCKernel(MCMCKernel):
         if message:
             warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
         # At T = 0 the chain is an optimiser: its draws are not meant to mix.
-        message = self._monitor.warning() if self.temperature > 0 else None
+        message = self.kept.monitor.warning() if self.temperature > 0 else None
         if message:
             warnings.warn(
                 f"{type(self).__name__}: {message}; {self._convergence_advice()}",

@@ -146,7 +146,7 @@ class Checkpoint:
             )
         self._draws.truncate(num_draws)
         stats = self._draws.stats(num_draws)
-        kernel._stats = {key: stats.get(key, []) for key in kernel._stats}
+        kernel.kept.stats = {key: stats.get(key, []) for key in kernel.kept.stats}
         self.resume_iteration = self._saved_iteration = state["iteration"]
 
     # -- the chain's steps -------------------------------------------------------------
@@ -180,7 +180,7 @@ class Checkpoint:
         """Keep draw ``index``; write the draws and the state if a chunk is full or it is time."""
         if not self._writer:
             return
-        stats = {key: values[-1] for key, values in self.kernel._stats.items()}
+        stats = {key: values[-1] for key, values in self.kernel.kept.stats.items()}
         self._draws.append(draw, stats)
         if self._draws.chunk_is_full or iterations_done % self.kernel.checkpoint_every == 0:
             self.save_state(iterations_done)

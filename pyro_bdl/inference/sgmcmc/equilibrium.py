@@ -40,7 +40,6 @@ MIN_DRAWS_FOR_CHECK = 40
 
 def kinetic_warning(
     stats: dict[str, list[float]],
-    *,
     temperature: float,
     thin: int,
     dimension: int,

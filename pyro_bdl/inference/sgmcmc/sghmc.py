@@ -202,15 +202,9 @@ class SGHMC(SGMCMCKernel):
     # -- equilibrium (see pyro_bdl.inference.sgmcmc.equilibrium) ---------------------
 
     def _equilibrium_warning(self) -> str | None:
-        return kinetic_warning(
-            self._stats,
-            temperature=self.temperature,
-            thin=self.thin,
-            dimension=self.dimension,
-            target=self._kinetic_target,
-            decorrelation_rate=self._decorrelation_rate,
-            advice=self._equilibrium_advice,
-        )
+        # The target, the rate and the advice are this method's (SGNHT's differ).
+        rules = (self._kinetic_target, self._decorrelation_rate, self._equilibrium_advice)
+        return kinetic_warning(self.kept.stats, self.temperature, self.thin, self.dimension, *rules)
 
     def _kinetic_target(self) -> float:
         """The expected kinetic temperature of this discretisation in equilibrium (with

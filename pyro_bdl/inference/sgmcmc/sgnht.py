@@ -189,14 +189,14 @@ class SGNHT(SGHMC):
     def _kinetic_target(self) -> float:
         # The thermostat holds the kinetic temperature at the free particle's, for its
         # own mean value (at most twice T, where the clamp above binds).
-        thermostat = float(np.mean(self._stats["thermostat"]))
+        thermostat = float(np.mean(self.kept.stats["thermostat"]))
         step_size = self.adapted_step_size
         rate = step_size * min(max(thermostat, 0.0), self.mass / step_size)
         return self.temperature / (1 - rate / (2 * self.mass))
 
     def _decorrelation_rate(self, part: slice) -> float:
         # The thermostat is the friction; the injected noise acts at rate friction too.
-        thermostat = float(np.mean(self._stats["thermostat"][part]))
+        thermostat = float(np.mean(self.kept.stats["thermostat"][part]))
         return max(self.friction, thermostat) / self.mass
 
     def _equilibrium_advice(self, cold: bool) -> str:
