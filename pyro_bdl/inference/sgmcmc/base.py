@@ -52,7 +52,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import function, instance, integer, real, site_keys
+from pyro_bdl._checks import function, instance, integer, is_real, real, site_keys
 from pyro_bdl._draws import copied_to
 from pyro_bdl.inference.log_joint import observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
@@ -277,7 +277,7 @@ class SGMCMCKernel(MCMCKernel):
         bijections = {
             name: biject_to(site["fn"].support)
             for name, site in sites.items()
-            if not _is_real(site["fn"].support)
+            if not is_real(site["fn"].support)
         }
         return Target(self.model, sites, bijections)
 
@@ -635,9 +635,3 @@ class SGMCMCKernel(MCMCKernel):
                 value = params.get(name)
                 if value is not None and value is not theta:
                     theta.copy_(value)
-
-
-def _is_real(support: torch.distributions.constraints.Constraint) -> bool:
-    while isinstance(support, torch.distributions.constraints.independent):
-        support = support.base_constraint
-    return support is torch.distributions.constraints.real
