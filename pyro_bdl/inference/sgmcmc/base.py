@@ -47,14 +47,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
-from pyro.distributions.transforms import biject_to
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
-from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import function, instance, integer, is_real, real, site_keys
+from pyro_bdl._checks import function, instance, integer, real
 from pyro_bdl._draws import copied_to
-from pyro_bdl.inference.log_joint import observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.adaptation import DEFAULT_TARGET_EXCESS, Adaptation
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
@@ -63,13 +60,7 @@ from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start
 from pyro_bdl.inference.sgmcmc.kept import KeptDraws
 from pyro_bdl.inference.sgmcmc.schedules import Constant
 from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
-from pyro_bdl.inference.sgmcmc.target import (
-    Target,
-    checked_init_params,
-    has_observations,
-    placed_like,
-    prototype_trace,
-)
+from pyro_bdl.inference.sgmcmc.target import checked_init_params, model_target, placed_like
 
 __all__ = ["SGMCMCKernel", "DivergenceError"]
 
@@ -205,7 +196,15 @@ class SGMCMCKernel(MCMCKernel):
     def setup(self, warmup_steps: int, *args, **kwargs) -> None:
         self._warmup_steps = warmup_steps
         self._batches = Minibatches(args, kwargs)
-        self.target = target = self._target(*self._batches.peek())
+        target, self.num_data = model_target(
+            self.model,
+            self._batches.peek(),
+            self.init_params,
+            num_data=self._num_data_arg,
+            full_batch=not self._batches.has_loaders,
+            kernel=type(self).__name__,
+        )
+        self.target = target
         # Pyro's MCMC stores unconstrained values and applies transforms[name].inv.
         self.transforms = target.transforms
         prototype = {
@@ -238,48 +237,6 @@ class SGMCMCKernel(MCMCKernel):
         store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
         self.kept = KeptDraws(self._stat_names(), state.params, store, self.keep_draws)
         self._chain_checked = False
-
-    def _target(self, args: tuple, kwargs: dict) -> Target:
-        """The model's latent sites at the chain's start, checked, and ``num_data``."""
-        trace = prototype_trace(self.model, self.init_params, args, kwargs)
-        sites = {
-            name: site
-            for name, site in trace.nodes.items()
-            if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
-        }
-        if not sites:
-            raise ValueError("the model has no latent sample sites for the kernel to sample")
-        if isinstance(self.init_params, Mapping):
-            site_keys("init_params", self.init_params, sites, "the model's latent sites")
-        for name, site in sites.items():
-            if site["fn"].support.is_discrete:
-                raise ValueError(
-                    f"site {name!r} is discrete; SGMCMC kernels need continuous latent sites"
-                )
-        self.num_data = observed_num_data(
-            trace, self._num_data_arg, full_batch=not self._batches.has_loaders
-        )
-        if not has_observations(trace):
-            warnings.warn(
-                f"{type(self).__name__}: the model has no observed site, so the kernel samples "
-                f"the prior of {sorted(sites)}; condition on data with "
-                "pyro.sample(..., obs=...) or bdl.observe(...) to sample a posterior",
-                UserWarning,
-                stacklevel=4,
-            )
-            self.num_data = self.num_data or 1
-        if self.num_data is None:
-            raise ValueError(
-                "num_data: the model's likelihood declares no data-set size (no "
-                "bdl.observe(..., num_data=N)); pass num_data=<size of the training set> "
-                "to the kernel"
-            )
-        bijections = {
-            name: biject_to(site["fn"].support)
-            for name, site in sites.items()
-            if not is_real(site["fn"].support)
-        }
-        return Target(self.model, sites, bijections)
 
     def sample(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         state, store = self.state, self.kept.checkpoint

@@ -8,20 +8,29 @@ support, with the log-Jacobian of that map added to the log joint.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 
 import pyro
 import torch
+from pyro.distributions.transforms import biject_to
 from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import instance, site_keys
-from pyro_bdl.inference.log_joint import LogJoint
+from pyro_bdl._checks import instance, is_real, site_keys
+from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.lift import init_to_module
 from pyro_bdl.likelihoods import invalid_observations
 
-__all__ = ["Target", "checked_init_params", "has_observations", "placed_like", "prototype_trace"]
+__all__ = [
+    "Target",
+    "checked_init_params",
+    "has_observations",
+    "model_target",
+    "placed_like",
+    "prototype_trace",
+]
 
 
 class Target:
@@ -81,6 +90,62 @@ class Target:
             if average:
                 distributed.all_reduce_([total, *grads], op="mean")  # the global batch's
         return log_joint, grads
+
+
+def model_target(
+    model: Callable,
+    batch: tuple[tuple, dict],
+    init_params: object,
+    *,
+    num_data: int | None,
+    full_batch: bool,
+    kernel: str,
+) -> tuple[Target, int]:
+    """The :class:`Target` of ``model`` on its first ``batch`` ``(args, kwargs)``, its
+    latent sites checked, and the data-set size N.
+
+    :param init_params: the chain's start rule (see :func:`prototype_trace`).
+    :param num_data: N if the user gave it, else read from the model's likelihood.
+    :param bool full_batch: whether the batch is the whole data set (no DataLoader).
+    :param str kernel: the kernel's name, for the messages.
+    """
+    trace = prototype_trace(model, init_params, *batch)
+    sites = {
+        name: site
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+    }
+    if not sites:
+        raise ValueError("the model has no latent sample sites for the kernel to sample")
+    if isinstance(init_params, Mapping):
+        site_keys("init_params", init_params, sites, "the model's latent sites")
+    for name, site in sites.items():
+        if site["fn"].support.is_discrete:
+            raise ValueError(
+                f"site {name!r} is discrete; SGMCMC kernels need continuous latent sites"
+            )
+    num_data = observed_num_data(trace, num_data, full_batch=full_batch)
+    if not has_observations(trace):
+        warnings.warn(
+            f"{kernel}: the model has no observed site, so the kernel samples "
+            f"the prior of {sorted(sites)}; condition on data with "
+            "pyro.sample(..., obs=...) or bdl.observe(...) to sample a posterior",
+            UserWarning,
+            stacklevel=4,
+        )
+        num_data = num_data or 1
+    if num_data is None:
+        raise ValueError(
+            "num_data: the model's likelihood declares no data-set size (no "
+            "bdl.observe(..., num_data=N)); pass num_data=<size of the training set> "
+            "to the kernel"
+        )
+    bijections = {
+        name: biject_to(site["fn"].support)
+        for name, site in sites.items()
+        if not is_real(site["fn"].support)
+    }
+    return Target(model, sites, bijections), num_data
 
 
 def prototype_trace(
