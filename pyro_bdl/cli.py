@@ -76,7 +76,7 @@ def _output(text: str) -> Path:
 def _methods_help() -> str:
     # The methods are named in the experiment modules, which import the models (seconds):
     # read only for --help.
-    from pyro_bdl.experiments import EXPERIMENTS
+    from experiments import EXPERIMENTS
 
     lines = ["methods of each experiment (--methods):"]
     for name, module in sorted(EXPERIMENTS.items()):
@@ -85,9 +85,9 @@ def _methods_help() -> str:
 
 
 def _parser() -> _Parser:
+    from experiments import EXPERIMENTS
     from pyro_bdl import __version__
     from pyro_bdl.data import DATASETS
-    from pyro_bdl.experiments import EXPERIMENTS
 
     parser = _Parser(prog="pyro-bdl", description="Bayesian deep learning in Pyro")
     parser.add_argument("--version", action="version", version=f"pyro-bdl {__version__}")
@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             run_demo(args.out, seed=args.seed, quick=args.quick, data_dir=args.data_dir)
         else:
-            from pyro_bdl.experiments import run_experiment
+            from experiments import run_experiment
 
             run_experiment(
                 args.name,

@@ -7,9 +7,9 @@ import os
 import pytest
 
 import pyro_bdl
+from experiments import EXPERIMENTS
 from pyro_bdl.cli import main
 from pyro_bdl.data import DATASETS
-from pyro_bdl.experiments import EXPERIMENTS
 
 
 def _fails(capsys, argv, status=2):

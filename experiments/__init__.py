@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import importlib
 
-from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
+from experiments.runner import Experiment, markdown_table, mean_sd
 
 __all__ = ["EXPERIMENTS", "Experiment", "run_experiment", "markdown_table", "mean_sd"]
 
 #: Experiment name -> module; modules are imported on use, since each pulls in models and data.
 EXPERIMENTS = {
-    "calibration": "pyro_bdl.experiments.calibration",
-    "cold-posterior": "pyro_bdl.experiments.cold_posterior",
-    "continual": "pyro_bdl.experiments.continual",
-    "lm-ood": "pyro_bdl.experiments.lm_ood",
-    "ood": "pyro_bdl.experiments.ood",
+    "calibration": "experiments.calibration",
+    "cold-posterior": "experiments.cold_posterior",
+    "continual": "experiments.continual",
+    "lm-ood": "experiments.lm_ood",
+    "ood": "experiments.ood",
 }
 
 

@@ -96,9 +96,9 @@ from pyro.infer.autoguide.initialization import init_to_value
 from torch.utils.data import DataLoader
 from tqdm.auto import trange
 
+from experiments.lora_finetune import single_thread
+from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.data import WordCollator, WordVocabulary, load, make_loader
-from pyro_bdl.experiments.lora_finetune import single_thread
-from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, MeanFieldGuide, Minibatches, fit_map
 from pyro_bdl.metrics import summarize
 from pyro_bdl.models import CNNLSTM, cnn_lstm_model
