@@ -765,3 +765,9 @@ def _diagram(rows: dict, path: Path, dataset: str) -> None:
         labels = torch.cat([torch.as_tensor(result["labels"]) for result in per_seed])
         pooled[row] = (probs, labels)
     reliability_diagram(pooled, path, title=f"{dataset} (test, seeds pooled)")
+
+
+if __name__ == "__main__":  # python -m experiments.calibration [options]
+    from experiments import main
+
+    main(name="calibration")

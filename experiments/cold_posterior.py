@@ -595,3 +595,9 @@ def _plot(summary: Sequence[dict], path: Path) -> None:
     axes[0].legend(fontsize="small")
     figure.suptitle("CNN-LSTM on IMDB: the cold posterior effect")
     figure.savefig(path, format="png")
+
+
+if __name__ == "__main__":  # python -m experiments.cold_posterior [options]
+    from experiments import main
+
+    main(name="cold-posterior")

@@ -505,3 +505,9 @@ def _plot_average(summary: Mapping, path: Path) -> None:
     )
     ax.legend(fontsize="small")
     figure.savefig(path, format="png")
+
+
+if __name__ == "__main__":  # python -m experiments.continual [options]
+    from experiments import main
+
+    main(name="continual")

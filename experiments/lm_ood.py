@@ -835,3 +835,9 @@ def _histograms(cells: Mapping[str, Mapping[int, dict]], out: Path) -> None:
                 panels[f"{method} EU"] = pooled(method, "epistemic")
         if panels:
             plot_uncertainty_histograms(panels, out / name, labels=("English", "Samoan"))
+
+
+if __name__ == "__main__":  # python -m experiments.lm_ood [options]
+    from experiments import main
+
+    main(name="lm-ood")

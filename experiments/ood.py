@@ -348,3 +348,9 @@ def _histograms(cells: dict, experiment: Experiment) -> None:
                 panels[f"{method} EU"] = pooled(method, "epistemic")
         if panels:
             plot_uncertainty_histograms(panels, experiment.out / name, labels=("English", "Samoan"))
+
+
+if __name__ == "__main__":  # python -m experiments.ood [options]
+    from experiments import main
+
+    main(name="ood")

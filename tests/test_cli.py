@@ -3,6 +3,7 @@
 import importlib
 import logging
 import os
+import sys
 
 import pytest
 
@@ -97,12 +98,8 @@ def test_the_hub_setting_is_left_to_the_user(monkeypatch):
 
 @pytest.fixture
 def pyro_bdl_logger():
-    """The pyro_bdl logger as a test found it, restored after (the command configures it)."""
-    logger = logging.getLogger("pyro_bdl")
-    level, handlers = logger.level, list(logger.handlers)
-    yield logger
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
+    """The pyro_bdl logger (conftest's ``_loggers`` restores it after the test)."""
+    return logging.getLogger("pyro_bdl")
 
 
 @pytest.mark.parametrize(
@@ -132,3 +129,19 @@ def test_help_lists_the_experiments_datasets_and_methods(capsys):
         assert name in text
         assert f"{name}: {', '.join(importlib.import_module(module).METHODS)}" in text
     assert all(dataset in text for dataset in DATASETS)
+
+
+def test_experiment_outside_a_checkout_says_how_to_run_the_experiments(
+    capsys, monkeypatch, tmp_path
+):
+    # The installed package has no experiments: a directory without the repository's
+    # experiments/ and nothing importable under that name.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "experiments", None)
+    error = _fails(capsys, ["experiment", "ood", "--data-dir", ".", "--out", "out"])
+    assert "not part of the installed package" in error and "python -m experiments" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_refuses_what_it_does_not_take(capsys):
+    assert "--seeds" in _fails(capsys, ["demo", "--seeds", "1"])
