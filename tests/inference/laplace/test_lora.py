@@ -1,8 +1,6 @@
 """fit_laplace_lora: Laplace-LoRA's post-hoc recipe on a tiny Llama that answers multiple
 choice questions through the next-token logits of its answer tokens (float64)."""
 
-import warnings
-
 import pytest
 import torch
 from tiny_models import tiny_llama
@@ -19,16 +17,8 @@ def _lora():
     """LoRA (rank 2) on q/v of a tiny Llama, its adapters non-zero (a fine-tuned look),
     under Laplace-LoRA's fan-in-scaled prior."""
     base = tiny_llama(0, torch.float64, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lora = lora_model(
-            base,
-            "multiple_choice",
-            label_token_ids=ANSWERS,
-            rank=2,
-            dropout=0.0,
-            prior=bdl.priors.LayerwiseNormal.fan_in(),
-        )
+    prior = bdl.priors.LayerwiseNormal.fan_in()
+    lora = lora_model(base, "multiple_choice", label_token_ids=ANSWERS, prior=prior, rank=2)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in lora.peft_model.named_parameters():
