@@ -4,6 +4,7 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -112,8 +113,9 @@ def test_quiet_and_verbose_set_the_pyro_bdl_loggers_level(
     argv = ["experiment", "cold-posterior", "--data-dir", data_dir, "--out", str(tmp_path)]
     _fails(capsys, [*flags, *argv, "--methods", "SGLD"], status=1)
     assert pyro_bdl_logger.getEffectiveLevel() == level
-    logging.getLogger("pyro_bdl.experiments.runner").info("a cell: 3 s")
-    assert ("a cell: 3 s" in capsys.readouterr().err) == (level <= logging.INFO)
+    for name in ("pyro_bdl.demo", "experiments.runner"):  # the library's and the experiments'
+        logging.getLogger(name).info("a cell: 3 s")
+        assert ("a cell: 3 s" in capsys.readouterr().err) == (level <= logging.INFO)
 
 
 def test_quiet_and_verbose_together_are_refused(capsys):
@@ -145,3 +147,17 @@ def test_experiment_outside_a_checkout_says_how_to_run_the_experiments(
 
 def test_demo_refuses_what_it_does_not_take(capsys):
     assert "--seeds" in _fails(capsys, ["demo", "--seeds", "1"])
+
+
+def test_experiment_from_a_checkouts_root_finds_the_experiments_there(
+    capsys, monkeypatch, tmp_path
+):
+    # The installed command's sys.path holds neither the checkout nor the current directory.
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(root))])
+    monkeypatch.delitem(sys.modules, "experiments")
+    monkeypatch.chdir(root)
+    argv = ["experiment", "calibrate", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")]
+    error = _fails(capsys, argv)
+    assert error.startswith("pyro-bdl experiment: error:") and "calibrate" in error
+    assert sys.modules["experiments"].__file__ == str(root / "experiments" / "__init__.py")
