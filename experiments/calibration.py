@@ -20,10 +20,12 @@ methods:
 - **ENS**: three MLE fine-tunes from LoRA initialisations of different seeds.
 - **BBB**: Bayes by Backprop on the LoRA A matrices (B and the head point estimates, as
   the paper's BBB), :func:`~pyro_bdl.inference.baselines.bbb`, 10 draws.
-- **BLoB**: :func:`~pyro_bdl.inference.baselines.blob` with the paper's RoBERTa settings
+- **BLoB**: :class:`~pyro_bdl.inference.BLoBGuide` and :func:`~pyro_bdl.inference.fit_blob`
+  with the paper's RoBERTa settings
   (Table 4), both its optimisers on the recipe's schedule; the mean weights (N = 0) and
   N = 5 and 10 draws.
-- **IVON**: :func:`~pyro_bdl.inference.baselines.ivon` on every LoRA weight and the
+- **IVON**: :class:`~pyro_bdl.inference.IVONGuide` and :func:`~pyro_bdl.inference.fit_ivon`
+  on every LoRA weight and the
   head, with the recipe's steps, batch size and schedule (its own optimiser and learning
   rate 0.1, :func:`~pyro_bdl.inference.fit_ivon`'s defaults otherwise), 10 draws; its
   prior scale and temperature (``ess = N / T``) are chosen on the validation subset among
@@ -93,6 +95,7 @@ from experiments.lora_finetune import (
     checkpoint,
     evaluate,
     fine_tune_map,
+    guide_draws,
     laplace,
     laplace_draws,
     lora_dropout,
@@ -104,9 +107,11 @@ from experiments.lora_finetune import (
     training_recipe,
 )
 from experiments.runner import Experiment, markdown_table, mean_sd
-from pyro_bdl.inference import baselines
+from pyro_bdl.inference import BLoBGuide, IVONGuide, baselines, fit_blob, fit_ivon
+from pyro_bdl.inference.vi.blob_svi import warmup_schedule
 from pyro_bdl.models import DictLogits
 from pyro_bdl.plots import reliability_diagram
+from pyro_bdl.priors import IIDNormal
 
 __all__ = ["run", "FULL", "PAPER", "QUICK", "METHODS"]
 
@@ -472,31 +477,31 @@ def _blob(fits: _Fits, seed: int) -> dict:
     model = network.blob_model()
     pyro.set_rng_seed(seed)
     network.train()
-    predictor = baselines.blob(
+    settings = dict(fits.settings["blob"])
+    guide = BLoBGuide(
+        model, model.net, eps=settings.pop("eps"), prior_std=settings.pop("prior_std")
+    )
+    fit_blob(
         model,
+        guide,
         fits.task.train_loader(seed),
         fits.task.num_data,
-        net=model.net,
         progress=False,
-        **fits.settings["blob"],
+        **settings,
         **training_recipe(fits.task),
     )
     network.eval()
-    rows = {}
-    predictor.num_samples = 0
-    rows["BLoB (N=0)"] = _row(predictor, fits.task)
+    rows = {"BLoB (N=0)": _row(point_draws(model, [guide.median()]), fits.task)}
     few, many = fits.settings["blob_samples"]
-    predictor.num_samples = many
     pyro.set_rng_seed(seed)
-    probs, labels = predict(predictor, fits.task.test_loader())
+    probs, labels = predict(guide_draws(model, guide, many), fits.task.test_loader())
     for count in (few, many):
         rows[f"BLoB (N={count})"] = {
             "metrics": evaluate(probs[:count], labels),
             "probs": probs[:count].mean(0).round(decimals=6),
             "labels": labels,
         }
-    (member,) = predictor.members
-    omega = member.guide.stddevs()  # BLoB's Omega = G^2 after training
+    omega = guide.stddevs()  # BLoB's Omega = G^2 after training
     return {
         "rows": rows,
         "blob": {"scales": {"mean": float(omega.mean()), "max": float(omega.max())}},
@@ -509,38 +514,44 @@ def _ivon(fits: _Fits, seed: int) -> dict:
     validation NLL."""
     scores, best = {}, None
     for prior_std, temperature in fits.settings["ivon_choices"]:
-        predictor = _ivon_fit(fits, seed, prior_std, temperature)
+        draws = _ivon_fit(fits, seed, prior_std, temperature)
         pyro.set_rng_seed(seed)
-        nll = evaluate(*predict(predictor, fits.task.validation_loader()))["nll"]
+        nll = evaluate(*predict(draws, fits.task.validation_loader()))["nll"]
         scores[f"prior_std={prior_std:g}, T={temperature:g}"] = nll
         if best is None or nll < best[0]:
-            best = (nll, predictor, prior_std, temperature)
-    _, predictor, prior_std, temperature = best
-    pyro.set_rng_seed(seed)
+            # scored now: the next fit's guide takes over the param store's IVONGuide names
+            pyro.set_rng_seed(seed)
+            best = (nll, _row(draws, fits.task), prior_std, temperature)
+    _, row, prior_std, temperature = best
     choice = {"prior_std": prior_std, "temperature": temperature, "validation_nll": scores}
-    return {"rows": {"IVON": _row(predictor, fits.task)}, "ivon": choice}
+    return {"rows": {"IVON": row}, "ivon": choice}
 
 
 def _ivon_fit(fits: _Fits, seed: int, prior_std: float, temperature: float):
-    """One IVON fit: the prior N(0, prior_std^2) and ess = N / temperature."""
+    """One IVON fit: the prior N(0, prior_std^2) and ess = N / temperature; its draws."""
     network = fits.network(seed)
     pyro.set_rng_seed(seed)
     network.train()
+    network.net.prior = IIDNormal(prior_std)  # a fresh network for every fit
     recipe = training_recipe(fits.task)
-    del recipe["lr"]  # IVON's learning rate is its own (METHOD["ivon"])
-    predictor = baselines.ivon(
+    num_steps, warmup_ratio, schedule = (
+        recipe[key] for key in ("num_steps", "warmup_ratio", "schedule")
+    )
+    settings = dict(fits.settings["ivon"])
+    num_samples = settings.pop("num_samples")
+    guide = IVONGuide(network.model, ess=fits.task.num_data / temperature)
+    fit_ivon(
         network.model,
+        guide,
         fits.task.train_loader(seed),
         fits.task.num_data,
-        net=network.net,
+        num_steps=num_steps,
+        schedule=lambda t: warmup_schedule(t, num_steps, warmup_ratio, schedule),
         progress=False,
-        prior_std=prior_std,
-        ess=fits.task.num_data / temperature,
-        **fits.settings["ivon"],
-        **recipe,
+        **settings,  # IVON's learning rate is its own
     )
     network.eval()
-    return predictor
+    return guide_draws(network.model, guide, num_samples)
 
 
 def _sghmc(fits: _Fits, seed: int) -> dict:

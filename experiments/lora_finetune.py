@@ -55,7 +55,7 @@ from pyro_bdl.data import (
     load,
     make_loader,
 )
-from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines, fit_laplace_lora
+from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines, fit_laplace_lora, fit_map
 from pyro_bdl.metrics import summarize
 from pyro_bdl.models import BayesianNet, LoRAModel, lora_model
 from pyro_bdl.predict import predict_proba
@@ -77,6 +77,7 @@ __all__ = [
     "single_thread",
     "fine_tune_map",
     "point_draws",
+    "guide_draws",
     "laplace_draws",
     "lora_dropout",
     "sghmc_chains",
@@ -438,27 +439,31 @@ def checkpoint(
 def fine_tune_map(network: Network, task: Task, seed: int) -> dict[str, torch.Tensor]:
     """The MAP row's LoRA fine-tuning: the training recipe with weight decay 1e-5, dropout on.
 
+    :func:`~pyro_bdl.inference.fit_map` on the likelihood with the recipe's AdamW
+    (:func:`~pyro_bdl.inference.baselines.adamw`), as
     :func:`~pyro_bdl.inference.baselines.map_estimate`, BLoB's MAP: the decoupled decay
     stands for the prior, as in the papers. (The MAP of the lifted prior itself, by Adam
     on the log joint, does not fine-tune at all here: with LoRA's B at zero, A gets no
     likelihood gradient at first, and Adam's normalised steps on the prior's gradient
     alone shrink A to zero within the first epochs, after which B gets none either.)
     """
+    recipe = training_recipe(task)
+    num_steps = recipe.pop("num_steps")
+    optimizer = baselines.adamw(recipe.pop("lr"), WEIGHT_DECAY, num_steps=num_steps, **recipe)
     pyro.set_rng_seed(seed)
     network.train()
     try:
-        predictor = baselines.map_estimate(
+        return fit_map(
             network.model,
             task.train_loader(seed),
             task.num_data,
-            net=network.net,
-            weight_decay=WEIGHT_DECAY,
+            num_steps=num_steps,
+            optimizer=optimizer,
+            mle=True,
             progress=False,
-            **training_recipe(task),
         )
     finally:
         network.eval()
-    return {site: value[0] for site, value in predictor.members[0].samples.items()}
 
 
 @contextlib.contextmanager
@@ -582,6 +587,11 @@ def point_draws(model: Callable, fits: Sequence[Mapping[str, torch.Tensor]]) -> 
     """Class probabilities of each fitted weight value, ``(len(fits), B, C)``."""
     samples = {site: torch.stack([fit[site] for fit in fits]) for site in fits[0]}
     return lambda batch: predict_proba(model, batch, samples=samples)
+
+
+def guide_draws(model: Callable, guide: Callable, num_samples: int) -> Draws:
+    """Class probabilities of ``num_samples`` draws of a fitted guide, ``(S, B, C)``."""
+    return lambda batch: predict_proba(model, batch, guide=guide, num_samples=num_samples)
 
 
 def laplace_draws(guide: LaplaceGuide, num_samples: int, seed: int, link: str = "mc") -> Draws:

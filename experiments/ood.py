@@ -58,6 +58,7 @@ from experiments.lora_finetune import (
     checkpoint,
     evaluate,
     fine_tune_map,
+    guide_draws,
     laplace,
     laplace_draws,
     minilm_tokenizer,
@@ -69,7 +70,7 @@ from experiments.lora_finetune import (
 )
 from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.data import RecordDataset, load
-from pyro_bdl.inference import baselines
+from pyro_bdl.inference import BLoBGuide, fit_blob
 from pyro_bdl.metrics import auroc, uncertainty_decomposition
 from pyro_bdl.plots import plot_uncertainty_histograms
 
@@ -256,18 +257,17 @@ def _sghmc(network, task, start, chain_seed, settings, num_chains, steps, num_sa
 def _blob(network, task, fits, seed, settings):
     model = network.blob_model()
     network.train()
-    predictor = baselines.blob(
+    guide = BLoBGuide(model, model.net, prior_std=PRIOR_SCALE)
+    fit_blob(
         model,
+        guide,
         task.train_loader(seed),
         task.num_data,
-        net=model.net,
-        prior_std=PRIOR_SCALE,
-        num_samples=settings["blob_samples"],
         progress=False,
         **training_recipe(task),
     )
     network.eval()
-    return predictor
+    return guide_draws(model, guide, settings["blob_samples"])
 
 
 def _la(network, task, fits, seed, settings):

@@ -22,7 +22,16 @@ from collections.abc import Callable, Collection, Iterable
 
 import torch
 
-__all__ = ["real", "integer", "probability", "function", "one_of", "instance", "site_keys"]
+__all__ = [
+    "real",
+    "integer",
+    "probability",
+    "function",
+    "one_of",
+    "instance",
+    "site_keys",
+    "is_real",
+]
 
 
 def _show(value: object) -> str:
@@ -183,6 +192,19 @@ def site_keys(
     hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
     named = f"site {unknown[0]!r}" if len(unknown) == 1 else f"sites {_listed(unknown)}"
     raise ValueError(f"{argument}: unknown {named}{hint}; {what} are {_listed(sites)}")
+
+
+def is_real(support: torch.distributions.constraints.Constraint) -> bool:
+    """Whether a support is the real line (possibly reinterpreted as an event).
+
+    Where it is, a site needs no transform to the unconstrained space and an observation
+    no check against the support. (Documented as :func:`pyro_bdl.inference.sites.is_real`;
+    it lives here, below every module that asks, so that ``pyro_bdl.likelihoods`` need not
+    import the inference package.)
+    """
+    while isinstance(support, torch.distributions.constraints.independent):
+        support = support.base_constraint
+    return support is torch.distributions.constraints.real
 
 
 def _listed(names: list, shown: int = 8) -> str:

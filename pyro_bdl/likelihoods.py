@@ -8,9 +8,8 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.poutine.runtime import get_plates
-from torch.distributions import constraints
 
-from pyro_bdl._checks import instance, integer
+from pyro_bdl._checks import instance, integer, is_real
 
 __all__ = ["observe", "ObservationError", "invalid_observations", "NUM_DATA_KEY"]
 
@@ -117,7 +116,7 @@ def observe(
             )
     scale = 1.0
     per_example = len(batch_shape) - 1 - outer  # batch dims summed within an example
-    if obs is not None and not _is_real(distribution.support):
+    if obs is not None and not is_real(distribution.support):
         obs, scale = _check_support(name, distribution, obs, per_example, mask)
     distribution = distribution.to_event(per_example)
     # Passing the subsample indices ourselves keeps Pyro from drawing a random
@@ -191,12 +190,6 @@ def _lowest_value(support, like: torch.Tensor) -> torch.Tensor:
 
 def _real_dtype(like: torch.Tensor) -> torch.dtype:
     return like.dtype if like.is_floating_point() else torch.get_default_dtype()
-
-
-def _is_real(support) -> bool:
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support in (constraints.real, constraints.real_vector)
 
 
 def _parameter(distribution, floating: bool = False) -> torch.Tensor | None:

@@ -8,6 +8,13 @@ splits its entropy into aleatoric and epistemic parts.
 
 Draws may live anywhere (on the CPU, read back from disk or ArviZ) and the model on a
 GPU: :func:`condition_on_sites` puts each value where its site's distribution is.
+
+:func:`predict_proba` is the one prediction over draws or a guide: the baselines'
+:class:`~pyro_bdl.inference.baselines.Predictor`, the Trainers'
+:meth:`~pyro_bdl.hf.BLoBTrainer.predict_proba` and the experiments call it. The Laplace
+guide's :meth:`~pyro_bdl.inference.LaplaceGuide.predictive` is another approximation
+(the network linearised at the MAP, a Gaussian over the logits), with the same ``(S, B,
+C)`` output when it returns its logit draws.
 """
 
 from __future__ import annotations

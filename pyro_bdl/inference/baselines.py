@@ -13,19 +13,19 @@ the same way. The methods (BLoB, section 4.1 and Table 3):
 - :func:`deep_ensemble`: ``K`` independently initialised LoRA adapters on the one base
   model, ``S = K`` (Lakshminarayanan et al., 2017; the paper uses 3);
 - :func:`bbb`: Bayes by Backprop on the random LoRA weights, softplus standard deviation,
-  no flipout, the plain ELBO (Blundell et al., 2015), ``S = num_samples``;
-- :func:`blob`: BLoB itself (:class:`~pyro_bdl.inference.BLoBGuide`, :func:`fit_blob`),
-  ``S = num_samples``; ``num_samples = 0`` predicts with the mean weights ("BLoB (N=0)").
-- :func:`ivon`: IVON (Shen et al., 2024; on LoRA, Cong et al., 2024) on the random LoRA
-  weights (:class:`~pyro_bdl.inference.IVONGuide`, :func:`fit_ivon`), ``S = num_samples``.
+  no flipout, the plain ELBO (Blundell et al., 2015), ``S = num_samples``.
 
-:func:`blob` and :func:`ivon` are predictors for comparing methods; they train through
-the methods' own modules (:mod:`pyro_bdl.inference.vi`), which users call directly, or
-through :class:`~pyro_bdl.hf.BLoBTrainer` and :class:`~pyro_bdl.hf.IVONTrainer`.
+BLoB and IVON, the table's other rows, train through their own modules:
+:class:`~pyro_bdl.inference.BLoBGuide` with :func:`~pyro_bdl.inference.fit_blob` and
+:class:`~pyro_bdl.inference.IVONGuide` with :func:`~pyro_bdl.inference.fit_ivon` (or
+:class:`~pyro_bdl.hf.BLoBTrainer` and :class:`~pyro_bdl.hf.IVONTrainer`), and predict
+with :func:`~pyro_bdl.predict.predict_proba` (``guide=``, or the guide's ``median()`` as
+``samples`` for BLoB's "N=0" row).
 
 Every method trains with the same recipe, BLoB's Table 3: AdamW with a linear warm-up over
 ``warmup_ratio`` (0.06) of the ``num_steps`` steps, then a linear decay to zero
-(``schedule="linear"``; ``"constant"`` keeps the rate after the warm-up), on the
+(``schedule="linear"``; ``"constant"`` keeps the rate after the warm-up; both are
+:func:`~pyro_bdl.inference.vi.blob_svi.warmup_schedule`, transformers' schedules), on the
 minibatches the DataLoader arguments give. Give each method of a table the same
 ``num_steps``, ``lr``, schedule and batch size, as the paper does.
 
@@ -52,7 +52,7 @@ from tqdm.auto import trange
 from pyro_bdl import _checks, distributed
 from pyro_bdl.inference.map import fit_map
 from pyro_bdl.inference.minibatch import Minibatches
-from pyro_bdl.inference.vi import BLoBGuide, IVONGuide, MeanFieldGuide, fit_blob, fit_ivon
+from pyro_bdl.inference.vi import MeanFieldGuide
 from pyro_bdl.inference.vi.blob_svi import warmup_schedule
 from pyro_bdl.lift import LiftedModule
 from pyro_bdl.predict import predict_proba
@@ -65,8 +65,6 @@ __all__ = [
     "mc_dropout",
     "deep_ensemble",
     "bbb",
-    "blob",
-    "ivon",
     "adamw",
 ]
 
@@ -83,7 +81,6 @@ class _Member:
     guide: Callable | None = None
     guide_params: dict[str, torch.Tensor] = field(default_factory=dict)
     median: dict[str, torch.Tensor] = field(default_factory=dict)
-    flipout: bool = False
 
 
 class Predictor:
@@ -139,8 +136,7 @@ class Predictor:
             mean = {name: value.unsqueeze(0) for name, value in member.median.items()}
             return predict_proba(model, *args, samples=mean, **kwargs)
         guide = poutine.substitute(member.guide, data=member.guide_params)
-        with _flipout(member):
-            return predict_proba(model, *args, guide=guide, num_samples=self.num_samples, **kwargs)
+        return predict_proba(model, *args, guide=guide, num_samples=self.num_samples, **kwargs)
 
 
 def mle(
@@ -170,10 +166,18 @@ def mle(
     :param float warmup_ratio: fraction of the steps of linear warm-up (Table 3: 0.06).
     :param bool progress: show a progress bar.
     """
-    net = _lifted(model, net)
-    optimizer = adamw(lr, num_steps=num_steps, schedule=schedule, warmup_ratio=warmup_ratio)
-    member = _fit_point(model, net, args, kwargs, num_steps, optimizer, progress)
-    return Predictor(model, [member], dropout=_lora_dropout(net))
+    return map_estimate(
+        model,
+        *args,
+        num_steps=num_steps,
+        net=net,
+        lr=lr,
+        weight_decay=0.0,
+        schedule=schedule,
+        warmup_ratio=warmup_ratio,
+        progress=progress,
+        **kwargs,
+    )
 
 
 def map_estimate(
@@ -335,131 +339,6 @@ def bbb(
     return Predictor(model, [member], num_samples=num_samples, dropout=_lora_dropout(net))
 
 
-def blob(
-    model: Callable,
-    *args,
-    num_steps: int,
-    net: LiftedModule | None = None,
-    lr: float = 5e-4,
-    kl_lr: float = 0.002,
-    eps: float = 0.05,
-    prior_std: float | None = 0.2,
-    flipout: bool = True,
-    kl_weighting: str = "exponential",
-    num_samples: int = 10,
-    schedule: str = "linear",
-    warmup_ratio: float = 0.06,
-    progress: bool = True,
-    **kwargs,
-) -> Predictor:
-    """BLoB with its reference training recipe (:func:`~pyro_bdl.inference.fit_blob`).
-
-    Defaults are the paper's RoBERTa settings (Tables 3 and 4); both of its optimisers
-    follow ``schedule``.
-
-    :param float kl_lr: SGD's learning rate for the KL.
-    :param float eps: initialisation of :math:`G`.
-    :param float prior_std: :math:`\\sigma_p` of the fit (None keeps the network's prior).
-    :param bool flipout: flipout at the LoRA A projections.
-    :param str kl_weighting: ``"exponential"`` or ``"uniform"``.
-    :param int num_samples: weight draws per prediction; 0 predicts with the mean weights.
-
-    The other parameters are :func:`mle`'s.
-    """
-    net = _lifted(model, net)
-    _forget_point_weights(net)
-    with _prior(net, prior_std):
-        guide = BLoBGuide(model, net, eps=eps, flipout=flipout)
-        _forget_params(type(guide).__name__ + ".")
-        fit_blob(
-            model,
-            guide,
-            *args,
-            num_steps=num_steps,
-            lr=lr,
-            kl_lr=kl_lr,
-            kl_weighting=kl_weighting,
-            schedule=schedule,
-            warmup_ratio=warmup_ratio,
-            progress=progress,
-            **kwargs,
-        )
-    member = _guide_member(guide, net, Minibatches(args, kwargs))
-    # The flipout hooks stay on the peft model while the guide lives; the predictor switches
-    # them on for its own predictions only, so that later fits on the network run plain.
-    member.flipout, guide.flipout = flipout, False
-    return Predictor(model, [member], num_samples=num_samples, dropout=_lora_dropout(net))
-
-
-def ivon(
-    model: Callable,
-    *args,
-    num_steps: int,
-    net: LiftedModule | None = None,
-    lr: float = 0.1,
-    ess: float | None = None,
-    hess_init: float = 1.0,
-    beta1: float = 0.9,
-    beta2: float | None = None,
-    mc_samples: int = 1,
-    clip_radius: float = math.inf,
-    prior_std: float | None = 0.2,
-    num_samples: int = 10,
-    schedule: str = "linear",
-    warmup_ratio: float = 0.06,
-    progress: bool = True,
-    **kwargs,
-) -> Predictor:
-    r"""IVON on the random LoRA weights ("IVON"): :func:`~pyro_bdl.inference.fit_ivon`.
-
-    The variational posterior is :class:`~pyro_bdl.inference.IVONGuide`'s: means at the
-    module's weights, :math:`h` at ``hess_init``, the weight decay from the prior
-    :math:`\mathcal{N}(0, \sigma_p^2)`. IVON trains the random weights only: lift every
-    LoRA weight random (Cong et al. put the posterior on A and B); point weights keep
-    their values (with a warning). Defaults are :func:`~pyro_bdl.inference.fit_ivon`'s
-    (:math:`\beta_2 = 1 - 5 / T` over the run's :math:`T` steps, so that :math:`h` forgets
-    ``hess_init``), ``ivon-opt``'s otherwise; the learning rate follows the recipe's
-    ``schedule`` (warm-up, then linear decay or constant), as every method's.
-
-    :param float ess: the effective sample size :math:`\lambda` (default :math:`N`, the
-        posterior).
-    :param float hess_init: where the Hessian estimate :math:`h` starts.
-    :param float beta1: the momentum's decay.
-    :param float beta2: the Hessian estimate's decay (default: ``fit_ivon``'s choice).
-    :param int mc_samples: weight draws per training step.
-    :param float clip_radius: the clip of the preconditioned update.
-    :param float prior_std: :math:`\sigma_p` of the fit (None keeps the network's prior).
-    :param int num_samples: weight draws per prediction; 0 predicts with the mean weights.
-
-    The other parameters are :func:`mle`'s.
-    """
-    net = _lifted(model, net)
-    num_samples = _checks.integer("num_samples", num_samples, low=0)
-    multiplier = _schedule(num_steps, schedule, warmup_ratio)
-    if prior_std is not None:
-        prior_std = _checks.real("prior_std", prior_std, positive=True)
-    guide = IVONGuide(model, ess=ess, hess_init=hess_init)
-    _forget_point_weights(net)
-    _forget_params(type(guide).__name__ + ".")
-    with _prior(net, prior_std):
-        fit_ivon(
-            model,
-            guide,
-            *args,
-            num_steps=num_steps,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            mc_samples=mc_samples,
-            clip_radius=clip_radius,
-            schedule=multiplier,
-            progress=progress,
-            **kwargs,
-        )
-    member = _guide_member(guide, net, Minibatches(args, kwargs))
-    return Predictor(model, [member], num_samples=num_samples, dropout=_lora_dropout(net))
-
-
 def adamw(
     lr: float,
     weight_decay: float = 0.0,
@@ -606,18 +485,6 @@ def _prior(net: LiftedModule, prior_std: float | None) -> Iterator[None]:
         yield
     finally:
         net.prior = previous
-
-
-@contextlib.contextmanager
-def _flipout(member: _Member) -> Iterator[None]:
-    if not isinstance(member.guide, BLoBGuide):
-        yield
-        return
-    member.guide.flipout = member.flipout
-    try:
-        yield
-    finally:
-        member.guide.flipout = False
 
 
 @contextlib.contextmanager

@@ -4,6 +4,12 @@ Fitting is Pyro's own: ``SVI`` with an :class:`~pyro.infer.autoguide.AutoDelta`
 guide started at the module's weights (:func:`~pyro_bdl.lift.init_to_module`). With
 ``mle=True`` the priors of the latent sites are masked out, which with a decoupled
 weight decay (``pyro.optim.AdamW``) is ordinary regularised fine-tuning.
+
+Every point fit of the library goes through :func:`minimise`: :func:`fit_map` (which adds
+the check that the loss stopped falling), the baselines' fine-tunes
+(:func:`~pyro_bdl.inference.baselines.map_estimate` and the others call :func:`fit_map`)
+and the MAP stage of :meth:`LaplaceGuide.fit <pyro_bdl.inference.LaplaceGuide.fit>`
+(in the unconstrained space, followed by the guide's own refinement and mode check).
 """
 
 from __future__ import annotations

@@ -33,16 +33,10 @@ from pyro.poutine.indep_messenger import CondIndepStackFrame
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
 
+from pyro_bdl._checks import is_real
 from pyro_bdl.priors import normal_parameters
 
 __all__ = ["LatentSite", "LatentSites", "is_real"]
-
-
-def is_real(support: constraints.Constraint) -> bool:
-    """Whether a support is the real line (possibly reinterpreted as an event)."""
-    while isinstance(support, constraints.independent):
-        support = support.base_constraint
-    return support is constraints.real
 
 
 @dataclass

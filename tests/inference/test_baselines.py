@@ -1,4 +1,7 @@
-"""The BLoB-table baselines train, predict (S, B, C) probabilities, and keep to themselves."""
+"""The BLoB-table baselines train, predict (S, B, C) probabilities, and keep to themselves.
+
+BLoB, the table's own row, trains through its module (``fit_blob``) and predicts through
+``predict_proba``, as every baseline's predictor does."""
 
 import pyro
 import pyro.distributions as dist
@@ -8,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertForSequenceClassification
 
 import pyro_bdl as bdl
-from pyro_bdl.inference import baselines
+from pyro_bdl.inference import BLoBGuide, baselines, fit_blob
 from pyro_bdl.predict import predict_proba
 
 NUM_DATA, BATCH, STEPS = 32, 8, 60
@@ -72,6 +75,14 @@ METHODS = {
 }
 
 
+def _blob(model, *args, num_samples, **kwargs):
+    """BLoB at the paper's RoBERTa prior, fitted by fit_blob, predicting its draws."""
+    guide = BLoBGuide(model, model.net, prior_std=0.2)
+    fit_blob(model, guide, *args, **kwargs)
+    model.net.module.eval()  # the LoRA dropout off while predicting, as the predictors do
+    return lambda *batch: predict_proba(model, *batch, guide=guide, num_samples=num_samples)
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_each_baseline_trains_and_predicts_class_probabilities(task, method):
     net, model, loader, everything = task
@@ -81,9 +92,8 @@ def test_each_baseline_trains_and_predicts_class_probabilities(task, method):
             model, everything, samples={k: v[None] for k, v in net.init_values().items()}
         )
     pyro.set_rng_seed(0)
-    predictor = getattr(baselines, method)(
-        model, loader, NUM_DATA, num_steps=STEPS, lr=1e-2, progress=False, **options
-    )
+    fit = _blob if method == "blob" else getattr(baselines, method)
+    predictor = fit(model, loader, NUM_DATA, num_steps=STEPS, lr=1e-2, progress=False, **options)
     probs = predictor(everything, NUM_DATA)
     assert probs.shape == (num_draws, NUM_DATA, 2)
     torch.testing.assert_close(probs.sum(-1), torch.ones(num_draws, NUM_DATA))
@@ -94,32 +104,34 @@ def test_each_baseline_trains_and_predicts_class_probabilities(task, method):
 
 def test_blob_with_no_samples_predicts_with_the_mean_weights(task):
     net, model, loader, everything = task
-    predictor = baselines.blob(model, loader, NUM_DATA, num_steps=5, progress=False)
-    predictor.num_samples = 0
-    probs = predictor(everything, NUM_DATA)
+    guide = BLoBGuide(model, net, prior_std=0.2)
+    fit_blob(model, guide, loader, NUM_DATA, num_steps=5, progress=False)
+    net.module.eval()
+    mean = {name: value[None] for name, value in guide.median().items()}
+    probs = predict_proba(model, everything, NUM_DATA, samples=mean)
     assert probs.shape == (1, NUM_DATA, 2)
-    (member,) = predictor.members
+    store = pyro.get_param_store()
+    point_weights = {site: store[site].detach() for site in net.point_sites}
     with torch.no_grad():
-        with net.fixed({**member.median, **member.model_params}):
+        with net.fixed({**guide.median(), **point_weights}):
             logits = net.module(input_ids=everything["input_ids"]).logits
     torch.testing.assert_close(probs[0], torch.softmax(logits, -1))
-    assert torch.equal(predictor(everything, NUM_DATA), probs)  # no draw, no flipout
+    # no draw, and flipout (on in the guide) leaves the mean weights' forward alone
+    assert torch.equal(predict_proba(model, everything, NUM_DATA, samples=mean), probs)
 
 
 def test_fits_on_one_network_do_not_disturb_each_others_predictions(task):
     net, model, loader, everything = task
     prior = net.prior
     first = baselines.mle(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
-    blob = baselines.blob(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
-    assert net.prior is prior  # BLoB's sigma_p = 0.2 held for its own fit only
-    before = first(everything, NUM_DATA), blob.members[0].median
+    bbb = baselines.bbb(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
+    assert net.prior is prior  # BBB's prior_std held for its own fit only
+    before = first(everything, NUM_DATA), bbb.members[0].median
     # A later fit starts afresh: B from the module (zero), not from the earlier fits.
     second = baselines.mle(model, loader, NUM_DATA, num_steps=10, lr=1e-2, progress=False)
     torch.testing.assert_close(first(everything, NUM_DATA), before[0], rtol=0, atol=0)
     assert not torch.equal(second(everything, NUM_DATA), before[0])
-    # BLoB's flipout hooks are off outside its own predictions.
-    assert not blob.members[0].guide.flipout
-    assert blob(everything, NUM_DATA).shape == (10, NUM_DATA, 2)
+    assert bbb(everything, NUM_DATA).shape == (10, NUM_DATA, 2)
 
 
 def test_deep_ensemble_restores_the_modules_adapter(task):

@@ -367,6 +367,13 @@ MUTATIONS = [
         T_KL,
     ),
     (
+        "warmup-fractional-steps",
+        VI + "blob_svi.py",
+        "warmup = math.ceil(num_steps * warmup_ratio)",
+        "warmup = num_steps * warmup_ratio",
+        ["tests/inference/vi/test_blob_svi.py"],
+    ),
+    (
         "ivon-hessian-no-correction",
         VI + "ivon_svi.py",
         ".add_(correction, alpha=0.5 * (1 - beta2) ** 2)",
@@ -412,8 +419,8 @@ MUTATIONS = [
     (
         "map-ignores-weight-decay",
         "pyro_bdl/inference/baselines.py",
-        '{"lr": lr, "eps": _ADAM_EPS, "weight_decay": weight_decay}',
-        '{"lr": lr, "eps": _ADAM_EPS, "weight_decay": 0.0}',
+        '"weight_decay": weight_decay, "lr_lambda": factor}',
+        '"weight_decay": 0.0, "lr_lambda": factor}',
         ["tests/inference/test_baselines.py"],
     ),
     (

@@ -48,7 +48,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import function, instance, integer, real, site_keys
+from pyro_bdl._checks import function, instance, integer, is_real, real, site_keys
 from pyro_bdl._draws import copied_to
 from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
@@ -248,7 +248,7 @@ class SGMCMCKernel(MCMCKernel):
         self._bijections = {
             name: biject_to(site["fn"].support)
             for name, site in self._sites.items()
-            if not _is_real(site["fn"].support)
+            if not is_real(site["fn"].support)
         }
         self.transforms = {name: b.inv for name, b in self._bijections.items()}
         prototype = {
@@ -931,12 +931,6 @@ def _has_observations(trace: pyro.poutine.Trace) -> bool:
         and not site["infer"].get("_deterministic")
         for site in trace.nodes.values()
     )
-
-
-def _is_real(support: torch.distributions.constraints.Constraint) -> bool:
-    while isinstance(support, torch.distributions.constraints.independent):
-        support = support.base_constraint
-    return support is torch.distributions.constraints.real
 
 
 def _checked_init_params(init_params: object) -> object:

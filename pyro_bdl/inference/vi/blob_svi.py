@@ -64,22 +64,31 @@ _SCHEDULES = ("linear", "constant")
 
 
 def warmup_schedule(step: int, num_steps: int, warmup_ratio: float, schedule: str) -> float:
-    """The learning-rate factor of ``step``: linear warm-up, then linear decay or constant.
+    r"""The learning-rate factor of ``step``: linear warm-up, then linear decay or constant.
 
-    ``"linear"`` is transformers' ``get_linear_schedule_with_warmup`` (the reference
-    implementation's and Table 3's); ``"constant"`` keeps the rate after the warm-up.
+    transformers' schedules, step for step: the warm-up lasts
+    :math:`\lceil r T \rceil` steps of the :math:`T` = ``num_steps`` (``TrainingArguments.
+    get_warmup_steps`` with ``warmup_steps=r``); after it ``"linear"`` is
+    ``get_linear_schedule_with_warmup`` (the reference implementation's and Table 3's),
+    ``"constant"`` is ``get_constant_schedule_with_warmup`` and ``"cosine"`` is
+    ``get_cosine_schedule_with_warmup`` (half a cosine from 1 to 0). They are written out
+    here because importing transformers takes seconds, which ``import pyro_bdl`` must not
+    (``tests/inference/vi/test_blob_svi.py`` checks them against transformers' own).
 
     :param int step: the step, from 0.
     :param int num_steps: the length of the run.
     :param float warmup_ratio: fraction of the steps of warm-up.
-    :param str schedule: ``"linear"`` or ``"constant"``.
+    :param str schedule: ``"linear"``, ``"constant"`` or ``"cosine"``.
     """
-    warmup = num_steps * warmup_ratio
+    warmup = math.ceil(num_steps * warmup_ratio)
     if step < warmup:
-        return step / max(1.0, warmup)
+        return step / max(1, warmup)
     if schedule == "constant":
         return 1.0
-    return max(0.0, (num_steps - step) / max(1.0, num_steps - warmup))
+    if schedule == "cosine":
+        progress = (step - warmup) / max(1, num_steps - warmup)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return max(0.0, (num_steps - step) / max(1, num_steps - warmup))
 
 
 class BLoBSVI:

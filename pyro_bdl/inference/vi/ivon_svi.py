@@ -39,6 +39,7 @@ from tqdm.auto import trange
 from pyro_bdl import _checks, distributed
 from pyro_bdl.inference.log_joint import LogJoint
 from pyro_bdl.inference.minibatch import Minibatches
+from pyro_bdl.inference.vi.blob_svi import warmup_schedule
 from pyro_bdl.inference.vi.ivon import IVONGuide
 
 __all__ = ["IVONSVI", "fit_ivon"]
@@ -389,8 +390,11 @@ def fit_ivon(
     :param args: the model's arguments (DataLoaders stand for minibatches).
     :param int num_steps: training steps.
     :param float beta2: :math:`\beta_2` (default :math:`1 - 5 / T` within :math:`[0.9, 0.99999]`).
-    :param schedule: ``t -> multiplier`` of ``lr``, or ``"cosine"`` (from 1 at the first
-        step to 0 after the last) or ``"constant"`` (``None`` too).
+    :param schedule: ``t -> multiplier`` of ``lr`` (e.g. a warm-up,
+        ``lambda t: warmup_schedule(t, num_steps, 0.06, "linear")`` with
+        :func:`~pyro_bdl.inference.vi.blob_svi.warmup_schedule`), or ``"cosine"`` (from 1
+        at the first step to 0 after the last: transformers' cosine schedule) or
+        ``"constant"`` (``None`` too).
     :param bool progress: show a progress bar.
     :return: ``{"loss": [...]}``, the per-step loss of :meth:`IVONSVI.step`.
     :raises RuntimeError: if the loss stops being finite (the guide keeps that state).
@@ -447,7 +451,7 @@ def _learning_rate_schedule(
     _checks.one_of("schedule", schedule, ("cosine", "constant"))
     if schedule == "constant":
         return None
-    return lambda t: 0.5 * (1.0 + math.cos(math.pi * t / num_steps))
+    return lambda t: warmup_schedule(t, num_steps, 0.0, "cosine")
 
 
 def _warn_if_hess_init_remains(svi: IVONSVI, num_steps: int, caller: str = "fit_ivon") -> None:

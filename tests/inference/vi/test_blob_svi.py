@@ -10,7 +10,12 @@ from peft import LoraConfig, get_peft_model
 from pyro import poutine
 from pyro.infer import TraceMeanField_ELBO
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    TrainingArguments,
+    get_scheduler,
+)
 from transformers.utils import logging
 
 import pyro_bdl as bdl
@@ -22,6 +27,7 @@ from pyro_bdl.inference import (
     exponential_kl_weight,
     fit_blob,
 )
+from pyro_bdl.inference.vi.blob_svi import warmup_schedule
 
 F64 = {"dtype": torch.float64}
 PRIOR_STD, NUM_DATA = 0.4, 64
@@ -119,6 +125,30 @@ def test_fit_blob_follows_the_kl_weights_and_the_warmup(make_lora_net, make_clas
         batch_model, guide, loader, NUM_DATA, num_steps=2, kl_weighting="uniform", progress=False
     )
     assert uniform["kl_weight"] == [1 / math.ceil(NUM_DATA / 8)] * 2
+
+
+@pytest.mark.parametrize(
+    "schedule, name",
+    [("linear", "linear"), ("constant", "constant_with_warmup"), ("cosine", "cosine")],
+)
+def test_warmup_schedule_is_transformers_step_by_step(schedule, name, tmp_path):
+    # The reference: the Trainer's own warm-up length (ceil(r T) for warmup_steps=r < 1)
+    # and scheduler, read off an optimiser's learning rate after each step. 37 steps at
+    # 6% is where a fractional warm-up (2.22 steps, not 3) was 0.23 of the rate off.
+    for num_steps, warmup_ratio in [(37, 0.06), (100, 0.07), (10, 0.0), (5, 0.5), (2000, 0.06)]:
+        arguments = TrainingArguments(tmp_path, warmup_steps=warmup_ratio, report_to=[])
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        scheduler = get_scheduler(
+            name,
+            optimizer,
+            num_warmup_steps=arguments.get_warmup_steps(num_steps),
+            num_training_steps=num_steps,
+        )
+        for step in range(num_steps):
+            factor = warmup_schedule(step, num_steps, warmup_ratio, schedule)
+            assert factor == optimizer.param_groups[0]["lr"], (num_steps, warmup_ratio, step)
+            optimizer.step()
+            scheduler.step()
 
 
 def _run(make_lora_net, make_classifier, data, steps, **settings):
