@@ -323,7 +323,7 @@ def _lora_section(data_dir: Path, settings: DemoSettings, seed: int, out: Path) 
         lora.model, shuffled(), num_data, warmup_ratio=0.06, progress=True, **recipe
     )
     lora.peft_model.eval()
-    theta_map = {site: value[0] for site, value in predictor.members[0].samples.items()}
+    theta_map = predictor.point()
     probs = _predict(predictor, test, num_data)[0]
     results["MAP"], curves["MAP"] = metrics.summarize(probs, labels), (probs, labels)
     train_loader = data.make_loader(train, collate, 32)
