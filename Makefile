@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-quick bench lint docs venv clean
+.PHONY: demo experiment test test-quick bench lint docs venv clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,14 @@ $(STAMP): pyproject.toml requirements/constraints.txt requirements/peers-no-deps
 demo: export HF_HUB_OFFLINE := 0
 demo: $(STAMP)
 	$(VENV)/bin/pyro-bdl demo --out results/demo $(if $(wildcard $(DATA_DIR)/sst2),--data-dir $(DATA_DIR))
+
+# One of the papers' experiments (a package of this repository, not of the library):
+# make experiment NAME=calibration ARGS="--quick --seeds 0"; python -m experiments --help lists them.
+NAME ?=
+ARGS ?=
+experiment: $(STAMP)
+	$(if $(NAME),,$(error NAME is not set: make experiment NAME=calibration|cold-posterior|continual|lm-ood|ood [ARGS="--quick ..."]))
+	$(PY) -m experiments $(NAME) --data-dir $(DATA_DIR) --out results/$(NAME) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -42,8 +50,8 @@ docs: $(STAMP)
 	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pyro_bdl tests benchmarks examples
-	$(VENV)/bin/ruff format --check pyro_bdl tests benchmarks examples
+	$(VENV)/bin/ruff check pyro_bdl experiments tests benchmarks examples
+	$(VENV)/bin/ruff format --check pyro_bdl experiments tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) results

@@ -93,7 +93,7 @@ PUBLIC_MODULES = [
     "pyro_bdl.diagnostics",
     "pyro_bdl.predict",
     "pyro_bdl.plots",
-    "pyro_bdl.experiments",
+    "experiments",
 ]
 logger = logging.getLogger("pyro_bdl.docs")
 

@@ -136,7 +136,7 @@ measured("load", start)
 # -- MAP: LoRA fine-tuning by AdamW ------------------------------------------------------------
 start = time.perf_counter()
 map_fit = baselines.map_estimate(lora.model, train_loader, num_data, num_steps=num_steps, lr=1e-4)
-theta_map = {site: value[0] for site, value in map_fit.members[0].samples.items()}
+theta_map = map_fit.point()
 measured("MAP fine-tuning", start)
 
 # -- K-FAC Laplace on the adapters: one pass for the factors, the evidence for the prior -----

@@ -74,7 +74,7 @@ probs = {}
 # -- MAP: AdamW, whose small decoupled weight decay stands for the prior -------------------
 map_fit = baselines.map_estimate(lora.model, train_loader, num_data, num_steps=num_steps, lr=1e-3)
 probs["MAP"] = test_probs(lambda batch: map_fit(batch, None))
-theta_map = {site: value[0] for site, value in map_fit.members[0].samples.items()}
+theta_map = map_fit.point()
 
 # -- Laplace-LoRA: K-FAC at the MAP, prior precision by the evidence, GLM predictive ------
 # As in Laplace-LoRA, at the fine-tuned checkpoint itself: AdamW's decay is not exactly the

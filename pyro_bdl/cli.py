@@ -1,19 +1,22 @@
-"""The ``pyro-bdl`` command.
+"""The ``pyro-bdl`` command: ``pyro-bdl demo`` and, from a checkout, ``pyro-bdl experiment``.
 
 Every bad argument ends the command with one line on stderr, ``pyro-bdl: error: ...``,
-and exit status 2, before any work: unknown commands and experiments, a ``--data-dir``
-that is not a directory, an ``--out`` that is a file, negative or repeated seeds.
-Dataset and method names are checked by the experiment before it loads anything; those
-errors, and a malformed data file found later, end with one line and status 1.
+and exit status 2, before any work: unknown commands, a ``--data-dir`` that is not a
+directory, an ``--out`` that is a file, a negative seed. A malformed data file found later
+ends with one line and status 1.
+
+The experiments are not part of the installed package: ``pyro-bdl experiment ...`` hands
+its arguments to the repository's top-level ``experiments`` package (``python -m
+experiments ...``, which checks them the same way) when it is importable or in the current
+directory, and otherwise says how to run them.
 
 What the library reports goes through the ``pyro_bdl`` logger, which the command writes to
-stderr at INFO (``-q``: warnings and errors only; ``-v``: DEBUG too). Results are printed.
+stderr at INFO (``-q``: warnings and errors only; ``-v``: DEBUG too).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -58,14 +61,6 @@ def _directory(text: str) -> Path:
     return path
 
 
-def _model_directory(text: str) -> str:
-    if not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(
-            f"{text} is not a directory; pass a local Hugging Face model directory"
-        )
-    return text
-
-
 def _output(text: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
@@ -73,21 +68,8 @@ def _output(text: str) -> Path:
     return path
 
 
-def _methods_help() -> str:
-    # The methods are named in the experiment modules, which import the models (seconds):
-    # read only for --help.
-    from pyro_bdl.experiments import EXPERIMENTS
-
-    lines = ["methods of each experiment (--methods):"]
-    for name, module in sorted(EXPERIMENTS.items()):
-        lines.append(f"  {name}: {', '.join(importlib.import_module(module).METHODS)}")
-    return "\n".join(lines)
-
-
 def _parser() -> _Parser:
     from pyro_bdl import __version__
-    from pyro_bdl.data import DATASETS
-    from pyro_bdl.experiments import EXPERIMENTS
 
     parser = _Parser(prog="pyro-bdl", description="Bayesian deep learning in Pyro")
     parser.add_argument("--version", action="version", version=f"pyro-bdl {__version__}")
@@ -108,82 +90,75 @@ def _parser() -> _Parser:
         type=_directory,
         help="folder with sst2/ for the LoRA language-model part (skipped without)",
     )
-    experiment = commands.add_parser(
-        "experiment", help="run one of the papers' experiments", more_help=_methods_help
-    )
-    experiment.add_argument("name", choices=sorted(EXPERIMENTS), help="the experiment")
-    experiment.add_argument(
-        "--data-dir", type=_directory, required=True, help="folder holding the datasets"
-    )
-    experiment.add_argument("--out", type=_output, required=True, help="output directory")
-    experiment.add_argument("--quick", action="store_true", help="CI-sized run (< 2 minutes)")
-    experiment.add_argument("--seeds", type=_seed, nargs="+", default=[0, 1, 2])
-    experiment.add_argument(
-        "--datasets",
-        nargs="+",
-        metavar="DATASET",
-        help=f"restrict to these of the experiment's datasets ({', '.join(DATASETS)})",
-    )
-    experiment.add_argument(
-        "--methods", nargs="+", metavar="METHOD", help="restrict to these methods (below)"
-    )
-    experiment.add_argument(
-        "--device",
-        default="cpu",
-        help="where the networks run: cpu (laptop-scale sizes) or cuda (the papers' sizes)",
-    )
-    experiment.add_argument(
-        "--epochs",
-        type=int,
-        help="train every fine-tune this many epochs (calibration: an ablation of the length)",
-    )
-    experiment.add_argument(
-        "--model",
-        type=_model_directory,
-        help="a local Hugging Face causal LM to use as the base (lm-ood)",
+    # The experiments are a package of the repository, not of the library: the command
+    # hands its arguments to them, and says how to get them where they are missing.
+    commands.add_parser(
+        "experiment",
+        help="run one of the papers' experiments (from a checkout of the repository; "
+        "pyro-bdl experiment --help lists them)",
+        add_help=False,
     )
     return parser
 
 
-def _report(level: int) -> None:
-    """The pyro_bdl logger's records at ``level`` and above, one line each on stderr."""
-    logger = logging.getLogger("pyro_bdl")
-    logger.setLevel(level)
-    if not any(getattr(handler, "name", None) == "pyro-bdl" for handler in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.set_name("pyro-bdl")
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
+def _report(args: argparse.Namespace, names: Sequence[str] = ("pyro_bdl",)) -> None:
+    """The records of the loggers ``names`` at the level ``args.quiet`` / ``args.verbose``
+    ask for (INFO by default) and above, one line each on stderr, and only there (a
+    handler that an imported library put on the root logger would repeat them)."""
+    level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
+    for name in names:
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.propagate = False
+        if not any(getattr(handler, "name", None) == "pyro-bdl" for handler in logger.handlers):
+            handler = logging.StreamHandler(sys.stderr)
+            handler.set_name("pyro-bdl")
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+
+
+def _experiments():
+    """The repository's ``experiments`` package: importable, or in the current directory
+    (a checkout's root: the installed command's ``sys.path`` does not hold it)."""
+    try:
+        import experiments
+    except ImportError:
+        experiments = None
+    if not hasattr(experiments, "EXPERIMENTS") and (Path.cwd() / "experiments").is_dir():
+        sys.path.insert(0, str(Path.cwd()))
+        sys.modules.pop("experiments", None)  # e.g. tests/experiments, a namespace package
+        try:
+            import experiments
+        except ImportError:
+            experiments = None
+    if not hasattr(experiments, "EXPERIMENTS"):
+        return None
+    return experiments
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``pyro-bdl``."""
     parser = _parser()
-    args = parser.parse_args(argv)
-    _report(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
-    if args.command == "experiment" and len(set(args.seeds)) != len(args.seeds):
-        parser.error(f"argument --seeds: each seed once, got {args.seeds}")
-    try:
-        if args.command == "demo":
-            from pyro_bdl.demo import run_demo
-
-            run_demo(args.out, seed=args.seed, quick=args.quick, data_dir=args.data_dir)
-        else:
-            from pyro_bdl.experiments import run_experiment
-
-            run_experiment(
-                args.name,
-                data_dir=args.data_dir,
-                out=args.out,
-                quick=args.quick,
-                seeds=args.seeds,
-                datasets=args.datasets,
-                methods=args.methods,
-                device=args.device,
-                epochs=args.epochs,
-                model=args.model,
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "experiment":
+        experiments = _experiments()
+        if experiments is None:
+            parser.error(
+                "the experiments are not part of the installed package: run them from the "
+                "root of a checkout of the repository (python -m experiments NAME ..., or "
+                "make experiment NAME=...; docs/experiments.md)"
             )
-    except (ValueError, FileNotFoundError) as error:  # bad names, malformed data: one line
+        flags = ["-q"] * args.quiet + ["-v"] * args.verbose
+        experiments.main([*flags, *rest], prog="pyro-bdl experiment")
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    _report(args)
+    try:
+        from pyro_bdl.demo import run_demo
+
+        run_demo(args.out, seed=args.seed, quick=args.quick, data_dir=args.data_dir)
+    except (ValueError, FileNotFoundError) as error:  # malformed data: one line
         sys.exit(f"pyro-bdl: error: {error}")
 
 

@@ -1,7 +1,7 @@
 """``pyro-bdl demo``: what the library is for, on real data, in under three minutes on a laptop.
 
 Every Bayesian row of the demo's tables beats MAP on test NLL and ECE under a documented
-recipe; whatever a recipe chooses it chooses on validation data, and the demo prints the
+recipe; whatever a recipe chooses it chooses on validation data, and the demo reports the
 choice and the validation scores behind it. The test data are only scored. A method that
 does not beat MAP within the budget is left out of the tables, with the reason below.
 
@@ -14,9 +14,9 @@ papers in which MAP fits its small training set and is overconfident on new sent
   learning rate 3e-3, linear warm-up over 6% of the 80 steps then linear decay, decoupled
   weight decay 1e-5. At 3e-3 the 80 steps fit the 128 sentences (train accuracy 1.0), the
   papers' regime; at 1e-3 they stop at 0.77, where MAP is still underfit.
-- **Laplace-LoRA**: K-FAC GGN at the MAP, the prior precision of every weight tensor by
-  the evidence (the network lifted with a fan-in-scaled prior), and the predictive's link
-  chosen on the validation sentences.
+- **Laplace-LoRA** (:func:`~pyro_bdl.inference.fit_laplace_lora`): K-FAC GGN at the MAP,
+  the prior precision of every weight tensor by the evidence (the network lifted with a
+  fan-in-scaled prior), and the predictive's link chosen on the validation sentences.
 - **SGHMC** (parallel SGHMC, posteriors paper section 4.2; the calibration experiment's
   recipe): 4 chains at T = 1 from the MAP, each a tenth of the fine-tune (8 steps, step
   size 0.03, friction 1), the last draw of each.
@@ -27,7 +27,7 @@ mode), then 4 SGHMC chains from it at T = 1 through :class:`~pyro_bdl.inference.
 exported to ArviZ: their ArviZ summary (R-hat, bulk ESS), with a warning where R-hat
 exceeds 1.01, their trace plot and a ``DataTree`` on disk. The digits table has the MAP
 only, because no Bayesian method beats this MAP on both test NLL and ECE within the
-budget; the demo prints SGHMC's scores beside it, as the tour's, not as a row.
+budget; the demo reports SGHMC's scores beside it, as the tour's, not as a row.
 
 **Left out of the tables, and why** (measured with seed 0 on the demo's data; the demo
 before issue 23 showed them):
@@ -60,6 +60,7 @@ The demo writes to the output directory:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import warnings
@@ -78,10 +79,12 @@ from tqdm.auto import tqdm
 
 import pyro_bdl as bdl
 from pyro_bdl import diagnostics, metrics, plots
-from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines
+from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines, fit_laplace_lora
 from pyro_bdl.predict import predict_proba
 
 __all__ = ["run_demo", "DemoSettings"]
+
+_logger = logging.getLogger(__name__)
 
 
 #: The demo's chains keep the step size its recipe chose on validation data (the warm-up
@@ -148,29 +151,16 @@ def classifier(net: bdl.LiftedModule):
     return model
 
 
-def laplace_recipe(model, train_args: tuple, validation_args: tuple, theta: dict):
-    """The documented Laplace recipe at a fine-tuned checkpoint: K-FAC GGN, the prior
-    precision per weight tensor by the evidence, the link on validation data.
-
-    Laplace-LoRA's post-hoc recipe: ``theta`` is taken as it is (its AdamW weight decay
-    is not the Laplace prior, so no mode check).
-
-    :return: the fitted guide, the link chosen and the validation NLL of every link.
-    """
-    guide = LaplaceGuide(model, curvature="kron")
-    guide.fit(*train_args, map=theta, mode_tolerance=None, progress=False)
-    guide.optimize_prior_precision()  # one prior precision per weight tensor, by the evidence
-    link, scores = guide.select_link(*validation_args)  # the predictive's link, on held-out data
-    return guide, link, scores
-
-
 def run_demo(
     out: str | Path = "results/demo",
     seed: int = 0,
     quick: bool = False,
     data_dir: str | Path | None = None,
 ) -> dict:
-    """Run the demo, print its tables, choices and diagnostics, and write its outputs.
+    """Run the demo, report its tables, choices and diagnostics, and write its outputs.
+
+    The report goes to the ``pyro_bdl.demo`` logger at INFO (``pyro-bdl demo`` writes it
+    to stderr; from Python, ``logging.basicConfig(level=logging.INFO)`` shows it).
 
     :param out: output directory.
     :param int seed: seed of the split, the initialisation and the chains.
@@ -200,22 +190,22 @@ def run_demo(
     }
     (out / "results.json").write_text(json.dumps(summary, indent=2))
     if lora:
-        print(
+        _logger.info(
             f"\nMiniLM + LoRA fine-tuned on {settings.lora_train} SST-2 sentences "
             f"({settings.lora_test} test sentences)"
         )
-        print(_table(lora["methods"]))
-        _print_choices(lora["choices"])
-    print("\nBayesian MLP on the digits (test set)")
-    print(_table(digit["methods"]))
+        _logger.info(_table(lora["methods"]))
+        _report_choices(lora["choices"])
+    _logger.info("\nBayesian MLP on the digits (test set)")
+    _logger.info(_table(digit["methods"]))
     sghmc = digit["sghmc"]
-    print(
+    _logger.info(
         f"SGHMC's draws at T = 1, the MCMC tour (no better than the MAP here: the module's "
         f"docstring says why): accuracy {sghmc['accuracy']:.3f}, NLL {sghmc['nll']:.3f}, "
         f"ECE {sghmc['ece']:.3f}"
     )
-    print(digit["summary_text"])
-    print(
+    _logger.info(digit["summary_text"])
+    _logger.info(
         f"\nwrote {out}/reliability*.png, posterior.nc, trace.png, results.json "
         f"in {summary['wall_time_s']:.0f} s"
     )
@@ -333,7 +323,7 @@ def _lora_section(data_dir: Path, settings: DemoSettings, seed: int, out: Path) 
         lora.model, shuffled(), num_data, warmup_ratio=0.06, progress=True, **recipe
     )
     lora.peft_model.eval()
-    theta_map = {site: value[0] for site, value in predictor.members[0].samples.items()}
+    theta_map = predictor.point()
     probs = _predict(predictor, test, num_data)[0]
     results["MAP"], curves["MAP"] = metrics.summarize(probs, labels), (probs, labels)
     train_loader = data.make_loader(train, collate, 32)
@@ -341,8 +331,11 @@ def _lora_section(data_dir: Path, settings: DemoSettings, seed: int, out: Path) 
     train_probs = _predict(predictor, train_loader, num_data)[0]
     results["MAP"]["train_accuracy"] = metrics.summarize(train_probs, train_labels)["accuracy"]
 
-    guide, link, scores = laplace_recipe(
-        lora.model, (shuffled(), num_data), (validation, num_data), theta_map
+    # Laplace-LoRA's recipe at the MAP as it is (its AdamW weight decay is not the
+    # Laplace prior, so no mode check): K-FAC GGN, the prior precision of every weight
+    # tensor by the evidence, the predictive's link chosen on the validation sentences.
+    guide, link, scores = fit_laplace_lora(
+        lora.model, shuffled(), num_data, validation, map=theta_map
     )
     probs = guide.predictive(test, num_data, link=link, num_samples=200)
     name = f"Laplace-LoRA ({link})"
@@ -400,7 +393,7 @@ def _sst2_root(data_dir: str | Path | None) -> Path | None:
 
         splits = load_dataset(*_SST2)
     except Exception as error:  # no datasets, offline, the Hub unreachable: skip, say so
-        print(
+        _logger.warning(
             f"skipped the LoRA fine-tuning on SST-2: {where}fetching it with Hugging Face "
             f"datasets failed ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
             "run once online with `pip install datasets`, or pass --data-dir DIR with "
@@ -504,10 +497,12 @@ def _trace_plot(traced, path: Path, title: str) -> None:
     plt.close(figure)  # arviz-plots draws through pyplot, which would keep it open
 
 
-def _print_choices(choices: dict) -> None:
+def _report_choices(choices: dict) -> None:
     for what, choice in choices.items():
         scores = ", ".join(f"{k} {v:.3f}" for k, v in choice["validation NLL"].items())
-        print(f"chosen on validation data: {what} = {choice['chosen']} (validation NLL: {scores})")
+        _logger.info(
+            f"chosen on validation data: {what} = {choice['chosen']} (validation NLL: {scores})"
+        )
 
 
 def _table(results: dict) -> str:

@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,19 @@ def _offline(monkeypatch):
     constants = sys.modules.get("huggingface_hub.constants")
     if constants is not None:
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(autouse=True)
+def _loggers():
+    """The pyro_bdl and experiments loggers as a test found them, restored after (the
+    commands configure them: level, a stderr handler, no propagation)."""
+    loggers = [logging.getLogger(name) for name in ("pyro_bdl", "experiments")]
+    saved = [(logger.level, list(logger.handlers), logger.propagate) for logger in loggers]
+    yield
+    for logger, (level, handlers, propagate) in zip(loggers, saved):
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        logger.propagate = propagate
 
 
 @pytest.fixture(autouse=True)

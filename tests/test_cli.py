@@ -3,13 +3,15 @@
 import importlib
 import logging
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 import pyro_bdl
+from experiments import EXPERIMENTS
 from pyro_bdl.cli import main
 from pyro_bdl.data import DATASETS
-from pyro_bdl.experiments import EXPERIMENTS
 
 
 def _fails(capsys, argv, status=2):
@@ -97,12 +99,8 @@ def test_the_hub_setting_is_left_to_the_user(monkeypatch):
 
 @pytest.fixture
 def pyro_bdl_logger():
-    """The pyro_bdl logger as a test found it, restored after (the command configures it)."""
-    logger = logging.getLogger("pyro_bdl")
-    level, handlers = logger.level, list(logger.handlers)
-    yield logger
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
+    """The pyro_bdl logger (conftest's ``_loggers`` restores it after the test)."""
+    return logging.getLogger("pyro_bdl")
 
 
 @pytest.mark.parametrize(
@@ -115,8 +113,9 @@ def test_quiet_and_verbose_set_the_pyro_bdl_loggers_level(
     argv = ["experiment", "cold-posterior", "--data-dir", data_dir, "--out", str(tmp_path)]
     _fails(capsys, [*flags, *argv, "--methods", "SGLD"], status=1)
     assert pyro_bdl_logger.getEffectiveLevel() == level
-    logging.getLogger("pyro_bdl.experiments.runner").info("a cell: 3 s")
-    assert ("a cell: 3 s" in capsys.readouterr().err) == (level <= logging.INFO)
+    for name in ("pyro_bdl.demo", "experiments.runner"):  # the library's and the experiments'
+        logging.getLogger(name).info("a cell: 3 s")
+        assert ("a cell: 3 s" in capsys.readouterr().err) == (level <= logging.INFO)
 
 
 def test_quiet_and_verbose_together_are_refused(capsys):
@@ -132,3 +131,33 @@ def test_help_lists_the_experiments_datasets_and_methods(capsys):
         assert name in text
         assert f"{name}: {', '.join(importlib.import_module(module).METHODS)}" in text
     assert all(dataset in text for dataset in DATASETS)
+
+
+def test_experiment_outside_a_checkout_says_how_to_run_the_experiments(
+    capsys, monkeypatch, tmp_path
+):
+    # The installed package has no experiments: a directory without the repository's
+    # experiments/ and nothing importable under that name.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "experiments", None)
+    error = _fails(capsys, ["experiment", "ood", "--data-dir", ".", "--out", "out"])
+    assert "not part of the installed package" in error and "python -m experiments" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_refuses_what_it_does_not_take(capsys):
+    assert "--seeds" in _fails(capsys, ["demo", "--seeds", "1"])
+
+
+def test_experiment_from_a_checkouts_root_finds_the_experiments_there(
+    capsys, monkeypatch, tmp_path
+):
+    # The installed command's sys.path holds neither the checkout nor the current directory.
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(root))])
+    monkeypatch.delitem(sys.modules, "experiments")
+    monkeypatch.chdir(root)
+    argv = ["experiment", "calibrate", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")]
+    error = _fails(capsys, argv)
+    assert error.startswith("pyro-bdl experiment: error:") and "calibrate" in error
+    assert sys.modules["experiments"].__file__ == str(root / "experiments" / "__init__.py")

@@ -14,7 +14,7 @@ from pyro_bdl.demo import _TRACED, _diagnose, _sst2_root
 @pytest.mark.slow
 def test_quick_demo_writes_its_results(tmp_path, capsys, shared_data):
     main(["demo", "--out", str(tmp_path), "--quick", "--data-dir", str(shared_data)])
-    printed = capsys.readouterr().out
+    printed = capsys.readouterr().err  # the report, through the pyro_bdl logger
     results = json.loads((tmp_path / "results.json").read_text())
     links = ("mc", "probit", "bridge")
     assert set(results["methods"]) == {"MAP"}
@@ -85,7 +85,7 @@ def test_sst2_is_fetched_once_into_the_cache_where_no_data_dir_has_it(tmp_path, 
 
 
 def test_without_sst2_and_offline_the_demo_says_in_one_line_what_it_skips(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, caplog
 ):
     datasets = pytest.importorskip("datasets")
 
@@ -95,7 +95,7 @@ def test_without_sst2_and_offline_the_demo_says_in_one_line_what_it_skips(
     monkeypatch.setattr(datasets, "load_dataset", offline)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert _sst2_root(None) is None
-    (line,) = capsys.readouterr().out.splitlines()
+    (line,) = "\n".join(r.getMessage() for r in caplog.records).splitlines()
     assert "skipped the LoRA fine-tuning on SST-2" in line and "--data-dir" in line
     assert "ConnectionError: the Hub is unreachable" in line
 

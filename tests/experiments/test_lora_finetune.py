@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pyro_bdl.experiments.lora_finetune import (
+from experiments.lora_finetune import (
     Network,
     Task,
     TaskSpec,

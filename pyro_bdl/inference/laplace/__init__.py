@@ -1,7 +1,8 @@
 """Laplace approximations as Pyro guides: curvature, linearised predictive, evidence.
 
 See :class:`LaplaceGuide`; the curvature structures are in
-:mod:`pyro_bdl.inference.laplace.curvature`.
+:mod:`pyro_bdl.inference.laplace.curvature`; :func:`fit_laplace_lora` is Laplace-LoRA's
+post-hoc recipe in one call.
 """
 
 from pyro_bdl.inference.laplace.curvature import (
@@ -12,10 +13,12 @@ from pyro_bdl.inference.laplace.curvature import (
     KronLowRank,
 )
 from pyro_bdl.inference.laplace.guide import LaplaceGuide
+from pyro_bdl.inference.laplace.lora import fit_laplace_lora
 from pyro_bdl.inference.laplace.prior import BlockNormal, LaplacePrior
 
 __all__ = [
     "LaplaceGuide",
+    "fit_laplace_lora",
     "LaplacePrior",
     "BlockNormal",
     "Curvature",

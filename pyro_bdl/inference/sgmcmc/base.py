@@ -13,7 +13,12 @@ user temperature :math:`T = N \mathcal{T}`). One step:
 
 The kernels are Pyro :class:`~pyro.infer.mcmc.mcmc_kernel.MCMCKernel`\ s, so
 ``pyro.infer.MCMC`` drives them; warm-up steps, thinning, per-draw sample statistics,
-divergence handling and checkpoints live here once.
+divergence handling and checkpoints live here once. The chain's state is a
+:class:`~pyro_bdl.inference.sgmcmc.state.ChainState` and each step reports a
+:class:`~pyro_bdl.inference.sgmcmc.state.StepInfo`; the model's side (unconstrained
+sites, log joint and gradient) is :mod:`~pyro_bdl.inference.sgmcmc.target`, the
+diagnosis of a divergence :mod:`~pyro_bdl.inference.sgmcmc.divergence`, the lagged
+device reads and the shared noise :mod:`~pyro_bdl.inference.sgmcmc.device`.
 
 Under ``torchrun`` (a process group of W ranks) a kernel that ``pyro.infer.MCMC`` runs is
 data-parallel: every rank starts from rank 0's values, steps on its shard of a
@@ -35,61 +40,39 @@ draw.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import pyro
 import torch
-from pyro.distributions.transforms import biject_to
-from pyro.infer.autoguide.initialization import InitMessenger
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
-from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl import distributed
-from pyro_bdl._checks import function, instance, integer, is_real, real, site_keys
+from pyro_bdl._checks import function, instance, integer, real
 from pyro_bdl._draws import copied_to
-from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.inference.minibatch import Minibatches
-from pyro_bdl.inference.sgmcmc._buffers import FlatBuffers
 from pyro_bdl.inference.sgmcmc.adaptation import DEFAULT_TARGET_EXCESS, Adaptation
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
-from pyro_bdl.inference.sgmcmc.convergence import ConvergenceMonitor
+from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise, norm
+from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start, diagnose
+from pyro_bdl.inference.sgmcmc.kept import KeptDraws
 from pyro_bdl.inference.sgmcmc.schedules import Constant
-from pyro_bdl.lift import init_to_module
-from pyro_bdl.likelihoods import ObservationError, invalid_observations
+from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
+from pyro_bdl.inference.sgmcmc.target import checked_init_params, model_target, placed_like
 
 __all__ = ["SGMCMCKernel", "DivergenceError"]
-
-
-class DivergenceError(RuntimeError):
-    """A chain produced a non-finite potential or parameter and was stopped.
-
-    The message says what was non-finite at that step: the data, a prior or one of its
-    parameters, a likelihood parameter (a hyperparameter of the model), the gradient,
-    the step size from the schedule, or the parameters themselves (the chain blew up).
-
-    :ivar int step: the kernel step (from 0, warm-up included) that diverged.
-    :ivar str cause: what was non-finite, in words.
-    :ivar dict draws: the draws kept before it, site name -> ``(num_draws, *shape)``.
-    :ivar dict sample_stats: the statistics of those draws.
-    """
-
-    def __init__(self, message: str, step: int, draws: dict, sample_stats: dict, cause: str = ""):
-        super().__init__(message)
-        self.step = step
-        self.cause = cause
-        self.draws = draws
-        self.sample_stats = sample_stats
 
 
 class SGMCMCKernel(MCMCKernel):
     """Base class of the tempered SGMCMC kernels; subclasses define one update.
 
-    A subclass implements ``_init_state`` (auxiliary variables such as momenta)
-    and ``_update`` (the in-place step given the gradient), and lists its
-    auxiliary tensors in ``_state`` for checkpoints.
+    A subclass implements ``_new_state`` (its
+    :class:`~pyro_bdl.inference.sgmcmc.state.ChainState`, with auxiliary variables such
+    as momenta listed in its ``SAVED`` for checkpoints) and ``_update`` (the in-place
+    step given the gradient). The chain's state is ``kernel.state``, the last step's
+    :class:`~pyro_bdl.inference.sgmcmc.state.StepInfo` is ``kernel.info``.
 
     :param callable model: a Pyro model; DataLoader arguments of ``MCMC.run`` are
         replaced by a fresh minibatch at every step.
@@ -167,7 +150,7 @@ class SGMCMCKernel(MCMCKernel):
         if schedule is not None:
             function("schedule", schedule, "a callable t -> step-size multiplier")
         self.schedule = schedule or Constant()
-        self.init_params = _checked_init_params(init_params)
+        self.init_params = checked_init_params(init_params)
         if checkpoint is not None:
             instance("checkpoint", checkpoint, (str, Path), "a directory path (str or Path)")
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
@@ -178,7 +161,10 @@ class SGMCMCKernel(MCMCKernel):
         self._initial_params_given = False
         self._chain_id: int | None = None  # set by Chains; else the chain MCMC starts
         # what setup sets per chain; cleanup after a setup that failed finds no chain
-        self._store, self._chain_checked = None, True
+        self.state: ChainState | None = None
+        self.info: StepInfo | None = None  # the last step's
+        self.kept: KeptDraws | None = None
+        self._chain_checked = True
 
     # -- hyperparameters -------------------------------------------------------------
 
@@ -210,107 +196,70 @@ class SGMCMCKernel(MCMCKernel):
     def setup(self, warmup_steps: int, *args, **kwargs) -> None:
         self._warmup_steps = warmup_steps
         self._batches = Minibatches(args, kwargs)
-        first_args, first_kwargs = self._batches.peek()
-        trace = self._prototype_trace(first_args, first_kwargs)
-        self._sites = {
-            name: site
-            for name, site in trace.nodes.items()
-            if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
-        }
-        if not self._sites:
-            raise ValueError("the model has no latent sample sites for the kernel to sample")
-        if isinstance(self.init_params, Mapping):
-            site_keys("init_params", self.init_params, self._sites, "the model's latent sites")
-        for name, site in self._sites.items():
-            if site["fn"].support.is_discrete:
-                raise ValueError(
-                    f"site {name!r} is discrete; SGMCMC kernels need continuous latent sites"
-                )
-        self.num_data = observed_num_data(
-            trace, self._num_data_arg, full_batch=not self._batches.has_loaders
+        target, self.num_data = model_target(
+            self.model,
+            self._batches.peek(),
+            self.init_params,
+            num_data=self._num_data_arg,
+            full_batch=not self._batches.has_loaders,
+            kernel=type(self).__name__,
         )
-        if not _has_observations(trace):
-            warnings.warn(
-                f"{type(self).__name__}: the model has no observed site, so the kernel samples "
-                f"the prior of {sorted(self._sites)}; condition on data with "
-                "pyro.sample(..., obs=...) or bdl.observe(...) to sample a posterior",
-                UserWarning,
-                stacklevel=3,
-            )
-            self.num_data = self.num_data or 1
-        if self.num_data is None:
-            raise ValueError(
-                "num_data: the model's likelihood declares no data-set size (no "
-                "bdl.observe(..., num_data=N)); pass num_data=<size of the training set> "
-                "to the kernel"
-            )
+        self.target = target
         # Pyro's MCMC stores unconstrained values and applies transforms[name].inv.
-        self._bijections = {
-            name: biject_to(site["fn"].support)
-            for name, site in self._sites.items()
-            if not is_real(site["fn"].support)
-        }
-        self.transforms = {name: b.inv for name, b in self._bijections.items()}
+        self.transforms = target.transforms
         prototype = {
-            name: self._unconstrain(name, site["value"].detach())
-            for name, site in self._sites.items()
+            name: target.unconstrain(name, site["value"].detach())
+            for name, site in target.sites.items()
         }
         if self._initial_params_given:
-            self._initial_params = _placed_like(self._initial_params, prototype, "initial_params")
+            self._initial_params = placed_like(self._initial_params, prototype, "initial_params")
         else:
             self._initial_params = prototype
-        self._theta = [
-            self._initial_params[name].detach().clone().requires_grad_(True) for name in self._sites
+        theta = [
+            self._initial_params[name].detach().clone().requires_grad_(True)
+            for name in target.sites
         ]
-        self._params = dict(zip(self._sites, self._theta))
         # Under torchrun, outside Chains, every rank steps the same chain on its shard of
         # the data: rank 0's start, averaged gradients, rank 0's noise.
         self._data_parallel = self._chain_id is None and distributed.is_distributed()
         if self._data_parallel:
-            distributed.broadcast_(self._theta)
-        # Detached views of the parameters, made once: the updates are in place, so they
-        # always show the current values, and Pyro gets them without a dict per step.
-        self._current = {name: theta.detach() for name, theta in self._params.items()}
+            distributed.broadcast_(theta)
         self._initial_params_given = False
         self._returned = self._initial_params
         self._noise = None
-        self._scale = None  # D^{-1/2} of an adapted diagonal mass, per parameter
-        self.dimension = sum(t.numel() for t in self._theta)
-        self._init_state(self._theta)
-        self._adaptation = self._new_adaptation(warmup_steps)
-        self._adapting = False
-        self._step = 0
-        self._iteration = 0
-        self._last = {"potential_energy": math.nan, "step_size": self.step_size or math.nan}
-        self._recorded: dict[str, torch.Tensor] = {}
-        self._watch = _LaggedRead()
-        self._previous_potential = math.nan
-        self._stats: dict[str, list[float]] = {key: [] for key in self._stat_names()}
-        self._draws: list[dict[str, torch.Tensor]] = []
-        self._monitor = ConvergenceMonitor(self._params)
-        self._chain_checked = False
+        self.dimension = sum(t.numel() for t in theta)
+        self.state = state = self._new_state(dict(zip(target.sites, theta)))
+        state.adaptation = self._new_adaptation(warmup_steps)
+        state.scale = None if state.adaptation is None else state.adaptation.scale
+        self.info = None
+        self._watch = LaggedRead()
         chain = chain_number(self._chain_id)
-        self._store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
+        store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
+        self.kept = KeptDraws(self._stat_names(), state.params, store, self.keep_draws)
+        self._chain_checked = False
 
     def sample(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self._store is not None and self._store.replaying(self._iteration):
-            self._returned = self._store.replay(self._iteration)
-            if self._iteration >= self._warmup_steps:
-                self._monitor.add(self._monitor.coordinates(self._returned).tolist())
+        state, store = self.state, self.kept.checkpoint
+        if store is not None and store.replaying(state.iteration):
+            self._returned = store.replay(state.iteration)
+            if state.iteration >= self._warmup_steps:
+                monitor = self.kept.monitor
+                monitor.add(monitor.coordinates(self._returned).tolist())
         else:
             self._adopt(params)
-            if self._iteration == self._warmup_steps:
-                self._finish_adaptation()
+            if state.iteration == self._warmup_steps:
+                if state.adaptation is not None:
+                    state.adaptation.finish()
                 self._end_warmup()
-            warmup = self._iteration < self._warmup_steps
+            warmup = state.iteration < self._warmup_steps
             for inner in range(1 if warmup else self.thin):
                 self._step_once(record=not warmup and inner == self.thin - 1)
             if not warmup:
                 self._keep_draw()
-            elif self._store is not None and (self._iteration + 1) % self.checkpoint_every == 0:
-                self._store.save_state(self._iteration + 1)
-            self._returned = self._current
-        self._iteration += 1
+            elif store is not None and (state.iteration + 1) % self.checkpoint_every == 0:
+                store.save_state(state.iteration + 1)
+            self._returned = state.current
+        state.iteration += 1
         return self._returned
 
     def logging(self) -> dict:
@@ -319,33 +268,35 @@ class SGMCMCKernel(MCMCKernel):
         The isotropic normal priors' value is left out to keep a pass over the weights out
         of every step; the sample statistic ``potential_energy`` of each kept draw is the
         whole (negative) minibatch log joint."""
+        step_size = self.info.step_size if self.info else self.step_size or math.nan
         return {
-            "step_size": f"{self._last['step_size']:.2e}",
-            "lp": f"{-self._last['potential_energy']:.4g}",
+            "step_size": f"{step_size:.2e}",
+            "lp": f"{-self.state.potential_energy:.4g}",
         }
 
     def diagnostics(self) -> dict:
         # Pyro asks once, when the chain has finished: the time to judge its equilibrium.
-        if self._iteration <= self._warmup_steps:  # the earliest a kernel can tell
+        if self.state.iteration <= self._warmup_steps:  # the earliest a kernel can tell
             raise ValueError(
                 "num_samples=0: MCMC kept no draw after its warm-up, and pyro.infer.MCMC "
                 "cannot return zero draws; pass num_samples >= 1 (num_samples=1 keeps the "
                 "state the warm-up ends at)"
             )
         self._check_chain()
-        return {"sample_stats": {key: list(values) for key, values in self._stats.items()}}
+        return {"sample_stats": self.kept.sample_stats()}
 
     def cleanup(self) -> None:
         self._check_chain()
         # Pyro now holds its own copy of every draw; drop ours unless they are on disk.
-        self._draws = []
-        if self._store is not None:
-            self._store.close()
+        if self.kept is not None:
+            self.kept.release()
 
     # -- what subclasses define ------------------------------------------------------
 
-    def _init_state(self, theta: list[torch.Tensor]) -> None:
-        """Create auxiliary variables (momenta, thermostat) for the parameters."""
+    def _new_state(self, params: dict[str, torch.Tensor]) -> ChainState:
+        """The chain's state at its start: the parameters and the method's auxiliary
+        variables (momenta, thermostat)."""
+        return ChainState(params)
 
     def _end_warmup(self) -> None:
         """Called once, before the first step after warm-up (auxiliary-variable refresh)."""
@@ -353,10 +304,6 @@ class SGMCMCKernel(MCMCKernel):
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         """Update ``theta`` and the auxiliary variables in place, given the gradient."""
         raise NotImplementedError
-
-    def _state(self) -> dict[str, object]:
-        """Auxiliary state to checkpoint: name -> tensor, list of tensors or number."""
-        return {}
 
     def _extra_stats(self) -> dict[str, torch.Tensor | float]:
         """Method-specific statistics of the current state (device scalars), recorded
@@ -367,15 +314,30 @@ class SGMCMCKernel(MCMCKernel):
         """A sentence saying the finished chain is off its stationary law, or None."""
         return None
 
+    # The chain's step count, its statistics and its checkpoint by their former names.
+
+    @property
+    def _step(self) -> int:
+        return self.state.step
+
+    @property
+    def _stats(self) -> dict[str, list[float]]:
+        return self.kept.stats
+
+    @property
+    def _store(self) -> Checkpoint | None:
+        return None if self.kept is None else self.kept.checkpoint
+
     # -- the shared step -------------------------------------------------------------
 
     def current_step_size(self) -> float:
         """The step size of the next kernel step: the given or adapted one, after the
         schedule."""
-        multiplier = self.schedule(self._step)
+        state = self.state
+        multiplier = self.schedule(state.step)
         if type(multiplier) is not float or not 0 < multiplier < math.inf:
             multiplier = self._checked_multiplier(multiplier)
-        adaptation = self._adaptation
+        adaptation = state.adaptation
         base = self.step_size if adaptation is None else adaptation.step_size
         return base * multiplier
 
@@ -383,7 +345,7 @@ class SGMCMCKernel(MCMCKernel):
     def adapted_step_size(self) -> float | None:
         """The step size the chain runs with after warm-up (None before set-up, or while
         it is still to be found from the first gradient)."""
-        adaptation = getattr(self, "_adaptation", None)
+        adaptation = None if self.state is None else self.state.adaptation
         return self.step_size if adaptation is None else adaptation.step_size
 
     @property
@@ -391,9 +353,9 @@ class SGMCMCKernel(MCMCKernel):
         """The diagonal of the adapted inverse mass :math:`D^{-1}` per site, shaped like
         the site's unconstrained value (None when the mass is not adapted): the
         preconditioner of SGLD, the inverse mass of SGHMC and SGNHT over ``mass``."""
-        if getattr(self, "_scale", None) is None:
+        if self.state is None or self.state.scale is None:
             return None
-        return {name: s.square() for name, s in zip(self._params, self._scale)}
+        return {name: s.square() for name, s in zip(self.state.params, self.state.scale)}
 
     # -- warm-up adaptation ----------------------------------------------------------
 
@@ -406,8 +368,8 @@ class SGMCMCKernel(MCMCKernel):
                     "a step size, or warm-up steps in which to find one"
                 )
             return None
-        adaptation = Adaptation(
-            self._theta,
+        return Adaptation(
+            self.state.theta,
             warmup_steps,
             self.step_size,
             adapt_step_size=self.adapt_step_size,
@@ -420,8 +382,6 @@ class SGMCMCKernel(MCMCKernel):
             relaxation=self._relaxation_rate(),
             data_parallel=self._data_parallel,
         )
-        self._scale = adaptation.scale
-        return adaptation
 
     #: The step size scales as (mass / curvature) to this power (SGLD: 1).
     _step_exponent = 1.0
@@ -442,121 +402,75 @@ class SGMCMCKernel(MCMCKernel):
     def _refresh(self) -> None:
         """Draw the auxiliary variables afresh at the start of an adaptation window."""
 
-    def _finish_adaptation(self) -> None:
-        if self._adaptation is not None:
-            self._adaptation.finish()
-
     def _checked_multiplier(self, multiplier: object) -> float:
+        step = self.state.step
         try:
             value = float(multiplier)
         except (TypeError, ValueError):
             raise TypeError(
                 f"schedule must return a number (a step-size multiplier), returned "
-                f"{type(multiplier).__name__} {multiplier!r} at step {self._step}"
+                f"{type(multiplier).__name__} {multiplier!r} at step {step}"
             ) from None
         if not 0 < value < math.inf:
             self._stop(
-                self._step,
+                step,
                 f"the step-size schedule {self.schedule!r} (a hyperparameter) returned the "
-                f"multiplier {value} at step {self._step}; it must be positive and finite",
+                f"multiplier {value} at step {step}; it must be positive and finite",
             )
         return value
 
     def _step_once(self, record: bool) -> None:
-        args, kwargs = self._last_batch = self._batches.next()
+        state = self.state
+        batch = args, kwargs = self._batches.next()
         with torch.enable_grad():
-            log_joint, grads = self._log_joint_and_grad(
-                self._params, args, kwargs, average=self._data_parallel
+            log_joint, grads = self.target.log_joint_and_grad(
+                state.params, args, kwargs, average=self._data_parallel
             )
-        self._adapting = adapting = (
-            self._adaptation is not None and self._iteration < self._warmup_steps
+        state.adapting = adapting = (
+            state.adaptation is not None and state.iteration < self._warmup_steps
         )
         if adapting:
-            self._adaptation.observe_gradient(grads)
-        step_size = self.current_step_size()
+            state.adaptation.observe_gradient(grads)
+        info = StepInfo(state.step, batch, self.current_step_size())
         potential = -log_joint.autograd_value
         if torch.is_tensor(potential):
             potential = potential.detach()
         if record:
             # Device scalars of the state the step started from, read with the draw.
-            self._recorded = {
+            info.recorded = {
                 "potential_energy": potential - log_joint.analytic_prior_value(),
-                "grad_norm": _norm(grads),
+                "grad_norm": norm(grads),
             }
         with torch.no_grad():
-            self._update(self._theta, grads, step_size)
+            self._update(state.theta, grads, info.step_size)
             watched = potential
             if adapting and self.adapt_step_size:
                 # The statistic travels with the potential: still one read per step.
-                statistic = self._adaptation_statistic(step_size)
+                statistic = self._adaptation_statistic(info.step_size)
                 watched = torch.stack([torch.as_tensor(potential).to(statistic), statistic])
-        ready = self._watch.push(watched, (self._step, args, kwargs))
+        ready = self._watch.push(watched, info)
         if ready is not None:
             self._check_potential(*ready)
-        if adapting and self._adaptation.end_step(self._iteration):
+        if adapting and state.adaptation.end_step(state.iteration):
             with torch.no_grad():
                 self._refresh()
-        self._step += 1
-        self._last["step_size"] = step_size
+        state.step += 1
+        self.info = info
 
-    def _check_potential(self, value: float | list[float], context: tuple) -> None:
-        step, args, kwargs = context
+    def _check_potential(self, value: float | list[float], info: StepInfo) -> None:
         if isinstance(value, list):
             value, statistic = value
-            self._adaptation.observe_statistic(statistic, value)
+            self.state.adaptation.observe_statistic(statistic, value)
         if not math.isfinite(value):
-            self._diverged(step, args, kwargs, f"the minibatch potential energy is {value}")
-        self._last["potential_energy"] = value
-        self._previous_potential = value
-
-    def _log_joint_and_grad(
-        self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict, average: bool = False
-    ):
-        """The minibatch log joint at ``params`` (unconstrained leaves) and its gradient;
-        with ``average``, each averaged across the ranks of a data-parallel chain (the
-        global batch's; the analytic priors' value, the same on every rank, is not)."""
-        values = dict(params)
-        log_jacobian = 0.0
-        for name, bijection in self._bijections.items():
-            z = params[name]
-            values[name] = x = bijection(z)
-            log_jacobian = log_jacobian + bijection.log_abs_det_jacobian(z, x).sum()
-        with LogJoint(values, analytic_priors=True) as log_joint:
-            self.model(*args, **kwargs)
-        if self._bijections:
-            log_joint.autograd_value = log_joint.autograd_value + log_jacobian
-        total, leaves = log_joint.autograd_value, list(params.values())
-        if torch.is_tensor(total) and total.requires_grad:
-            grads = torch.autograd.grad(total, leaves, allow_unused=True)
-        else:
-            grads = [None] * len(leaves)
-        grads = {
-            name: torch.zeros_like(z) if g is None else g
-            for (name, z), g in zip(params.items(), grads)
-        }
-        log_joint.add_prior_scores(grads)
-        grads = list(grads.values())
-        if torch.is_tensor(total):
-            log_joint.autograd_value = total = total.detach()
-            if average:
-                distributed.all_reduce_([total, *grads], op="mean")  # the global batch's
-        return log_joint, grads
+            self._diverged(info, f"the minibatch potential energy is {value}")
+        self.state.potential_energy = value
 
     def standard_normal(self) -> list[torch.Tensor]:
         """Fresh N(0, I) noise shaped like the parameters: one draw into one flat buffer
         per dtype and device, viewed per parameter."""
-        self._noise_flats()
-        return self._noise.views
-
-    def _noise_flats(self) -> list[torch.Tensor]:
-        """Fresh N(0, I) noise as the flat buffers behind :meth:`standard_normal`."""
         if self._noise is None:
-            self._noise = FlatBuffers(self._theta)
-        for flat in self._noise.flats:
-            flat.normal_()
-        if self._data_parallel:
-            distributed.broadcast_(self._noise.flats)  # one draw, rank 0's, for every rank
-        return self._noise.flats
+            self._noise = Noise(self.state.theta, self._data_parallel)
+        return self._noise.draw()
 
     # -- draws, statistics, divergence -----------------------------------------------
 
@@ -564,34 +478,27 @@ class SGMCMCKernel(MCMCKernel):
         return ["potential_energy", "step_size", "temperature", "grad_norm", *self._extra_stats()]
 
     def _keep_draw(self) -> None:
-        names = [*self._recorded, *self._extra_stats()]
-        device_stats = {**self._recorded, **self._extra_stats()}
+        state, info = self.state, self.info
+        names = [*info.recorded, *self._extra_stats()]
+        device_stats = {**info.recorded, **self._extra_stats()}
         # One read of the device per kept draw: the statistics, the largest |theta| and
         # the coordinates the convergence check follows.
         scalars = [torch.as_tensor(device_stats[key]).reshape(()) for key in names]
-        largest = torch.stack(torch._foreach_norm(self._theta, ord=math.inf)).max()
-        followed = self._monitor.coordinates(self._params).to(largest)
+        largest = torch.stack(torch._foreach_norm(state.theta, ord=math.inf)).max()
+        followed = self.kept.monitor.coordinates(state.params).to(largest)
         read = torch.cat([torch.stack([s.to(largest) for s in scalars] + [largest]), followed])
         read = read.tolist()
-        self._monitor.add(read[len(names) + 1 :])
+        self.kept.monitor.add(read[len(names) + 1 :])
         read = read[: len(names) + 1]
         stats = dict(zip(names, read))
-        step = self._step - 1
         if not math.isfinite(read[-1]):
-            bad = [name for name, t in self._params.items() if not bool(torch.isfinite(t).all())]
-            self._diverged(step, *self._last_batch, f"parameter {bad[0]!r} has non-finite values")
+            bad = [name for name, t in state.params.items() if not bool(torch.isfinite(t).all())]
+            self._diverged(info, f"parameter {bad[0]!r} has non-finite values")
         if not math.isfinite(stats["potential_energy"]):
-            self._diverged(
-                step, *self._last_batch, f"the potential energy is {stats['potential_energy']}"
-            )
-        stats.update(step_size=self._last["step_size"], temperature=self.temperature)
-        for key in self._stats:
-            self._stats[key].append(float(stats[key]))
-        if self._store is not None:
-            draw = self.constrained_values(device="cpu")
-            self._store.save_draw(self._iteration - self._warmup_steps, draw, self._iteration + 1)
-        elif self.keep_draws:
-            self._draws.append(self.constrained_values(device="cpu"))
+            self._diverged(info, f"the potential energy is {stats['potential_energy']}")
+        stats.update(step_size=info.step_size, temperature=self.temperature)
+        draw = functools.partial(self.constrained_values, device="cpu")
+        self.kept.add(stats, draw, state.iteration - self._warmup_steps, state.iteration + 1)
 
     def constrained_values(
         self, device: str | torch.device | None = None
@@ -603,8 +510,8 @@ class SGMCMCKernel(MCMCKernel):
         """
         with torch.no_grad():
             values = {
-                name: (self._bijections[name](z) if name in self._bijections else z).detach()
-                for name, z in self._params.items()
+                name: self.target.constrain(name, z).detach()
+                for name, z in self.state.params.items()
             }
             if device is None:
                 return {name: value.clone() for name, value in values.items()}
@@ -612,48 +519,24 @@ class SGMCMCKernel(MCMCKernel):
 
     def get_draws(self) -> dict[str, torch.Tensor]:
         """The draws kept so far by this kernel: name -> ``(num_draws, *shape)``, on the CPU."""
-        if self._store is not None:
-            return self._store.draws()
-        draws = self._draws
-        if not draws:
-            return {}
-        return {name: torch.stack([d[name] for d in draws]) for name in draws[0]}
+        return self.kept.draws()
 
-    def _diverged(self, step: int, args: tuple, kwargs: dict, symptom: str) -> None:
-        cause = _Diagnosis(self, step, args, kwargs).cause(symptom)
-        if step == 0:
-            cause += f"; the chain started at {self._describe_start()}"
-        self._stop(step, cause)
-
-    def _describe_start(self) -> str:
-        """Where the chain started and by which rule, in words (non-finite sites first)."""
-        init = self.init_params
-        if init is None:
-            rule = (
-                "init_params=None: lifted weights at the module's values, other sites by "
-                "pyro_bdl.lift.init_to_module"
-            )
-        elif callable(init):
-            rule = f"init_params={getattr(init, '__name__', type(init).__name__)}"
-        else:
-            rule = "the given init_params"
-        values = {
-            name: (self._bijections[name](z) if name in self._bijections else z).detach()
-            for name, z in self._initial_params.items()
-        }
-        order = sorted(values, key=lambda name: bool(torch.isfinite(values[name]).all()))
-        shown = []
-        for name in order[:6]:
-            flat = values[name].reshape(-1)
-            text = ", ".join(f"{v:.4g}" for v in flat[:3].tolist())
-            text = f"[{text}{', ...' if flat.numel() > 3 else ''}]" if values[name].dim() else text
-            bad = "" if bool(torch.isfinite(flat).all()) else " (not finite)"
-            shown.append(f"{name}={text}{bad}")
-        more = f" and {len(order) - 6} more sites" if len(order) > 6 else ""
-        return (
-            f"{', '.join(shown)}{more} ({rule}); pass init_params, e.g. a dict of values or "
-            "pyro.infer.autoguide.init_to_median, to start elsewhere"
+    def _diverged(self, info: StepInfo, symptom: str) -> None:
+        cause = diagnose(
+            symptom,
+            self.target,
+            info.batch,
+            self._initial_params,
+            self.state.params,
+            step=info.step,
+            kernel=type(self).__name__,
+            last_potential=self.state.potential_energy,
+            step_size=self.current_step_size,
         )
+        if info.step == 0:
+            start = describe_start(self.target, self._initial_params, self.init_params)
+            cause += f"; the chain started at {start}"
+        self._stop(info.step, cause)
 
     def _stop(self, step: int, cause: str) -> None:
         draws = self.get_draws()
@@ -663,20 +546,20 @@ class SGMCMCKernel(MCMCKernel):
             "before it are in this error's .draws and in kernel.get_draws()",
             step=step,
             draws=draws,
-            sample_stats={key: list(v) for key, v in self._stats.items()},
+            sample_stats=self.kept.sample_stats(),
             cause=cause,
         )
 
     def _check_chain(self) -> None:
         """Warn once per chain if its draws are off the stationary law."""
-        if self._chain_checked or not hasattr(self, "_stats"):
+        if self._chain_checked:
             return
         self._chain_checked = True
         message = self._equilibrium_warning()
         if message:
             warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
         # At T = 0 the chain is an optimiser: its draws are not meant to mix.
-        message = self._monitor.warning() if self.temperature > 0 else None
+        message = self.kept.monitor.warning() if self.temperature > 0 else None
         if message:
             warnings.warn(
                 f"{type(self).__name__}: {message}; {self._convergence_advice()}",
@@ -690,7 +573,7 @@ class SGMCMCKernel(MCMCKernel):
             "keep more draws (num_samples, or a larger thin) and run more warmup_steps, and "
             "check the traces (bdl.to_arviz and bdl.diagnostics.summary)"
         )
-        if self._adaptation is None or not self.adapt_step_size:
+        if self.state.adaptation is None or not self.adapt_step_size:
             advice += (
                 f"; the step size {self.current_step_size():.3g} was not adapted: let "
                 "warm-up adapt it (adapt_step_size=True and adapt_mass_matrix=True, Pyro's "
@@ -698,305 +581,14 @@ class SGMCMCKernel(MCMCKernel):
             )
         return advice
 
-    # -- initial values and bookkeeping ----------------------------------------------
-
-    def _prototype_trace(self, args: tuple, kwargs: dict) -> pyro.poutine.Trace:
-        init = self.init_params
-        if init is None:
-            strategy = init_to_module
-        elif callable(init):
-            strategy = init
-        else:
-            strategy = _init_from_dict(init)
-        model = InitMessenger(strategy)(self.model)
-        with torch.no_grad(), pyro.poutine.block():
-            trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
-            if invalid_observations(trace):
-                # Inside pyro.infer.MCMC validation is off and observe only marked them;
-                # with it on, observe names them.
-                with pyro.validation_enabled(True):
-                    pyro.poutine.trace(model).get_trace(*args, **kwargs)
-        return trace
-
-    def _unconstrain(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        bijection = self._bijections.get(name)
-        return value if bijection is None else bijection.inv(value)
+    # -- initial values --------------------------------------------------------------
 
     def _adopt(self, params: dict[str, torch.Tensor]) -> None:
         """Take parameter values that did not come from this kernel's last step."""
         if params is self._returned:
             return
         with torch.no_grad():
-            for name, theta in self._params.items():
+            for name, theta in self.state.params.items():
                 value = params.get(name)
                 if value is not None and value is not theta:
                     theta.copy_(value)
-
-
-class _Diagnosis:
-    """What was non-finite at a step that gave a non-finite potential or parameter.
-
-    Run once, when a chain has diverged (it may read the device freely). In order:
-    the data of that step; then the model on that step's batch at the chain's start,
-    where the model was finite, with Pyro's validation on (which names invalid
-    distribution parameters and observations outside the support) and each site's log
-    density (a non-finite prior or likelihood parameter, a hyperparameter of the
-    model); then the gradient there; and only if all of these are finite, the chain
-    itself: its parameters blew up, and the step size is too large.
-    """
-
-    def __init__(self, kernel: SGMCMCKernel, step: int, args: tuple, kwargs: dict):
-        self.kernel, self.step, self.args, self.kwargs = kernel, step, args, kwargs
-
-    def cause(self, symptom: str) -> str:
-        kernel = self.kernel
-        bad_data = _non_finite_inputs(self.args, self.kwargs)
-        if bad_data:
-            return (
-                f"{symptom}; the data of that step is non-finite ({bad_data}): remove or "
-                "impute NaN / inf values in the data set"
-            )
-        start = {
-            name: kernel._bijections[name](z) if name in kernel._bijections else z
-            for name, z in kernel._initial_params.items()
-        }
-        model_cause = self._model_cause(start)
-        if model_cause:
-            return f"{symptom}; {model_cause}"
-        if self._gradient_is_non_finite(start):
-            return (
-                f"{symptom}; the gradient of the log joint on that step's batch is non-finite "
-                "at the chain's start, with finite data and log density (e.g. sqrt or log of "
-                "0 in the model's backward pass)"
-            )
-        bad = [n for n, t in kernel._params.items() if not bool(torch.isfinite(t).all())]
-        largest = max(float(t.detach().abs().max()) for t in kernel._params.values())
-        state = (
-            f"{bad[0]!r} became non-finite"
-            if bad
-            else f"the largest |parameter| is {largest:.3g}, where the model overflows"
-        )
-        return (
-            f"{symptom}; the data, priors, likelihood and gradient are finite at the chain's "
-            f"start on that batch, so the chain itself blew up ({state}; the last finite "
-            f"potential energy was {kernel._previous_potential:.4g}): try a smaller "
-            f"step_size (now {kernel.current_step_size():.3g})"
-        )
-
-    def _model_cause(self, point: dict[str, torch.Tensor]) -> str | None:
-        kernel = self.kernel
-        model = pyro.poutine.condition(kernel.model, data=point)
-        try:
-            with torch.no_grad(), pyro.validation_enabled(True):
-                trace = pyro.poutine.trace(model).get_trace(*self.args, **self.kwargs)
-                trace.compute_log_prob()
-        except ObservationError as error:
-            raise ObservationError(
-                f"{error} (in the batch of step {self.step} of {type(kernel).__name__}; "
-                "the draws kept before it are in kernel.get_draws())"
-            ) from None
-        except ValueError as error:
-            return (
-                "re-running the model on that step's batch with Pyro's validation on says "
-                f"a distribution's parameter is invalid (a prior, a likelihood parameter or "
-                f"a hyperparameter of the model): {error}"
-            )
-        for name, site in trace.nodes.items():
-            if site["type"] != "sample" or site_is_subsample(site):
-                continue
-            log_density = float(site["log_prob_sum"])
-            if math.isfinite(log_density):
-                continue
-            bad = _non_finite_parameters(site["fn"])
-            if name in kernel._sites:
-                what = f"the prior of site {name!r} has log density {log_density}"
-                if bad:
-                    return f"{what}: its parameter {bad} is non-finite"
-                return f"{what} at the chain's start"
-            what = f"the likelihood of the observed site {name!r} has log density {log_density}"
-            if bad:
-                return (
-                    f"{what}: its parameter {bad} is non-finite at the chain's start, with "
-                    "finite data (a hyperparameter of the model, such as a noise scale, is "
-                    "non-finite, or the network overflows)"
-                )
-            return f"{what} at the chain's start, with finite data and parameters"
-        return None
-
-    def _gradient_is_non_finite(self, point: dict[str, torch.Tensor]) -> bool:
-        kernel = self.kernel
-        leaves = {
-            name: kernel._unconstrain(name, value.detach()).clone().requires_grad_(True)
-            for name, value in point.items()
-        }
-        with torch.enable_grad():
-            _, grads = kernel._log_joint_and_grad(leaves, self.args, self.kwargs)
-        return not all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-class _LaggedRead:
-    """Reads a device scalar per step without stalling the device.
-
-    On the CPU a value is read at once. On a GPU, reading a tensor waits for all the
-    work queued before the read; instead each value is copied, right after it is
-    computed, into pinned host memory with an event behind the copy, and read one
-    step later, when the device finished that point long ago (the host has queued a
-    whole forward and backward pass since).
-    """
-
-    def __init__(self):
-        self._pending = None
-        self._host: list[torch.Tensor] = []
-
-    def push(
-        self, value: torch.Tensor | float, context: object
-    ) -> tuple[float | list[float], object] | None:
-        """Queue ``value`` (a scalar, or a vector read as a list); return ``(value,
-        context)`` of the entry now readable, if any."""
-        if not torch.is_tensor(value) or value.device.type != "cuda":
-            return _read(value), context
-        host = self._host[0] if self._host else None
-        if host is None or host.dtype != value.dtype or host.shape != value.shape:
-            self._host = [
-                torch.empty(value.shape, dtype=value.dtype, pin_memory=True) for _ in range(2)
-            ]
-        host = self._host[0]
-        self._host.reverse()  # alternate: the other buffer may still hold the pending read
-        host.copy_(value, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        ready, self._pending = self._pending, (host, event, context)
-        if ready is None:
-            return None
-        ready[1].synchronize()
-        return _read(ready[0]), ready[2]
-
-
-def _read(value: torch.Tensor | float) -> float | list[float]:
-    if torch.is_tensor(value) and value.dim() > 0:
-        return value.tolist()
-    return float(value)
-
-
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The Euclidean norm of a list of tensors as one vector, on the device."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
-
-
-def _non_finite_inputs(args: tuple, kwargs: dict) -> str:
-    """Where the model's arguments hold non-finite floating values, in words ('' if none)."""
-    found = []
-
-    def walk(value, where):
-        if torch.is_tensor(value):
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                count = int((~torch.isfinite(value)).sum())
-                found.append(f"{where}: {count} of {value.numel()} values")
-        elif isinstance(value, Mapping):
-            for key, item in value.items():
-                walk(item, f"{where}[{key!r}]")
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(item, f"{where}[{i}]")
-
-    for i, arg in enumerate(args):
-        walk(arg, f"argument {i}")
-    for key, arg in kwargs.items():
-        walk(arg, f"argument {key!r}")
-    return "; ".join(found)
-
-
-def _non_finite_parameters(fn) -> str:
-    """The non-finite tensor parameters of a distribution, in words ('' if none)."""
-    found = []
-    while fn is not None:
-        for key in getattr(fn, "arg_constraints", {}):
-            value = fn.__dict__.get(key)
-            if torch.is_tensor(value) and not bool(torch.isfinite(value).all()):
-                bad = value[~torch.isfinite(value)].reshape(-1)
-                found.append(
-                    f"{type(fn).__name__}.{key} ({len(bad)} of {value.numel()} entries "
-                    f"non-finite, e.g. {bad[0].item()})"
-                )
-        fn = getattr(fn, "base_dist", None)
-    return ", ".join(found)
-
-
-def _has_observations(trace: pyro.poutine.Trace) -> bool:
-    """Whether a trace has an observed sample site (``pyro.deterministic`` is none)."""
-    return any(
-        site["type"] == "sample"
-        and site["is_observed"]
-        and not site_is_subsample(site)
-        and not site["infer"].get("_deterministic")
-        for site in trace.nodes.values()
-    )
-
-
-def _checked_init_params(init_params: object) -> object:
-    if init_params is None or callable(init_params):
-        return init_params
-    if not isinstance(init_params, Mapping):
-        raise TypeError(
-            "init_params must be None, a dict of site values or a Pyro init strategy, "
-            f"got {type(init_params).__name__}"
-        )
-    for name, value in init_params.items():
-        instance("init_params key", name, str, "a site name (str)")
-        try:
-            tensor = torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(
-                f"init_params[{name!r}] must be a tensor (or array) of site values, got "
-                f"{type(value).__name__}"
-            ) from None
-        if not tensor.is_floating_point():
-            raise TypeError(
-                f"init_params[{name!r}] must hold real numbers, got dtype {tensor.dtype}"
-            )
-        if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"init_params[{name!r}] has non-finite values")
-    return init_params
-
-
-def _placed_like(
-    values: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor], what: str
-) -> dict[str, torch.Tensor]:
-    """``values`` checked against ``like`` (same sites and shapes, finite) and moved to
-    its dtype and device (a CUDA model started from CPU tensors)."""
-    site_keys(what, values, like, "the model's latent sites")
-    placed = {}
-    for name, reference in like.items():
-        if name not in values:
-            raise ValueError(f"{what}: no value for the site {name!r}; it has {sorted(values)}")
-        value = torch.as_tensor(values[name])
-        if value.shape != reference.shape:
-            raise ValueError(
-                f"{what}[{name!r}] has shape {tuple(value.shape)}, but the site has shape "
-                f"{tuple(reference.shape)}"
-            )
-        value = value.detach().to(dtype=reference.dtype, device=reference.device)
-        if not bool(torch.isfinite(value).all()):
-            raise ValueError(f"{what}[{name!r}] has non-finite values")
-        placed[name] = value
-    return placed
-
-
-def _init_from_dict(values: Mapping[str, torch.Tensor]) -> Callable[[dict], torch.Tensor]:
-    def init(site: dict) -> torch.Tensor:
-        # the default start gives the site's shape, dtype and device; its fallback,
-        # init_to_feasible, draws from the prior to find them, which must not move the
-        # random stream of a chain whose start is given
-        with torch.random.fork_rng(devices=[]):
-            reference = init_to_module(site)
-        if site["name"] not in values:
-            return reference
-        value = torch.as_tensor(values[site["name"]])
-        if value.shape != reference.shape:
-            raise ValueError(
-                f"init_params[{site['name']!r}] has shape {tuple(value.shape)}, but the site "
-                f"has shape {tuple(reference.shape)}"
-            )
-        return value.detach().to(dtype=reference.dtype, device=reference.device, copy=True)
-
-    return init

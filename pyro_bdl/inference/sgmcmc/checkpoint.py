@@ -86,7 +86,7 @@ class Checkpoint:
         settings = {
             **kernel.hyperparameters(),
             "warmup_steps": kernel._warmup_steps,
-            "sites": {name: list(theta.shape) for name, theta in kernel._params.items()},
+            "sites": {name: list(theta.shape) for name, theta in kernel.state.params.items()},
         }
         return json.loads(json.dumps(settings))  # as it reads back from disk
 
@@ -120,23 +120,24 @@ class Checkpoint:
                 f"not {settings}; use a new directory for a different run"
             )
         kernel = self.kernel
+        chain = kernel.state
         with torch.no_grad():
-            for name, theta in kernel._params.items():
+            for name, theta in chain.params.items():
                 theta.copy_(tensors[f"theta/{name}"])
-            for name, target in kernel._state().items():
+            for name, target in chain.auxiliary().items():
                 if isinstance(target, list):
                     saved = [tensors[f"aux/{name}/{i}"] for i in range(len(target))]
                     torch._foreach_copy_(target, [s.to(t.device) for s, t in zip(saved, target)])
                 else:
                     target.copy_(tensors[f"aux/{name}"])
-        if kernel._adaptation is not None:
+        if chain.adaptation is not None:
             prefix = "adaptation/"
-            kernel._adaptation.load_state(
+            chain.adaptation.load_state(
                 {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)},
                 state.get("adaptation"),
             )
-        kernel._step = state["step"]
-        _set_rng_state(tensors, next(iter(kernel._params.values())).device)
+        chain.step = state["step"]
+        _set_rng_state(tensors, chain.theta[0].device)
         num_draws = state["num_draws"]
         if self._draws.num_written < num_draws:
             raise ValueError(
@@ -145,7 +146,7 @@ class Checkpoint:
             )
         self._draws.truncate(num_draws)
         stats = self._draws.stats(num_draws)
-        kernel._stats = {key: stats.get(key, []) for key in kernel._stats}
+        kernel.kept.stats = {key: stats.get(key, []) for key in kernel.kept.stats}
         self.resume_iteration = self._saved_iteration = state["iteration"]
 
     # -- the chain's steps -------------------------------------------------------------
@@ -160,7 +161,7 @@ class Checkpoint:
         """What the kernel returned at a finished iteration (unconstrained values)."""
         kernel = self.kernel
         if iteration < kernel._warmup_steps:
-            return {name: theta.detach() for name, theta in kernel._params.items()}
+            return {name: theta.detach() for name, theta in kernel.state.params.items()}
         index = iteration - kernel._warmup_steps
         start, block = self._replay_block or (-1, {})
         if not start <= index < start + len(next(iter(block.values()), ())):
@@ -169,7 +170,9 @@ class Checkpoint:
             block = self._draws.read(start, stop)
             self._replay_block = (start, block)
         return {
-            name: kernel._unconstrain(name, value[index - start].to(kernel._params[name].device))
+            name: kernel.target.unconstrain(
+                name, value[index - start].to(kernel.state.params[name].device)
+            )
             for name, value in block.items()
         }
 
@@ -177,7 +180,7 @@ class Checkpoint:
         """Keep draw ``index``; write the draws and the state if a chunk is full or it is time."""
         if not self._writer:
             return
-        stats = {key: values[-1] for key, values in self.kernel._stats.items()}
+        stats = {key: values[-1] for key, values in self.kernel.kept.stats.items()}
         self._draws.append(draw, stats)
         if self._draws.chunk_is_full or iterations_done % self.kernel.checkpoint_every == 0:
             self.save_state(iterations_done)
@@ -188,17 +191,18 @@ class Checkpoint:
         if not self._writer:
             return
         self._draws.flush()
-        tensors = {f"theta/{name}": theta for name, theta in kernel._params.items()}
-        for name, value in kernel._state().items():
+        chain = kernel.state
+        tensors = {f"theta/{name}": theta for name, theta in chain.params.items()}
+        for name, value in chain.auxiliary().items():
             if isinstance(value, list):
                 tensors.update({f"aux/{name}/{i}": t for i, t in enumerate(value)})
             else:
                 tensors[f"aux/{name}"] = value
         adaptation = None
-        if kernel._adaptation is not None:
-            adapted, adaptation = kernel._adaptation.state()
+        if chain.adaptation is not None:
+            adapted, adaptation = chain.adaptation.state()
             tensors.update({f"adaptation/{key}": t for key, t in adapted.items()})
-        device = next(iter(kernel._params.values())).device
+        device = chain.theta[0].device
         tensors["rng/cpu"] = torch.get_rng_state()
         if device.type == "cuda":
             tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
@@ -206,7 +210,7 @@ class Checkpoint:
             "format": _FORMAT,
             "settings": self.settings(),
             "iteration": iterations_done,
-            "step": kernel._step,
+            "step": chain.step,
             "num_draws": self._draws.num_written,
             "adaptation": adaptation,
         }
@@ -222,10 +226,10 @@ class Checkpoint:
     def close(self) -> None:
         """Save what the chain did since the last saved state (at its end or interruption)."""
         kernel = self.kernel
-        if self._draws is None or kernel._iteration <= self._saved_iteration:
+        if self._draws is None or kernel.state.iteration <= self._saved_iteration:
             return
-        if all(bool(torch.isfinite(theta).all()) for theta in kernel._params.values()):
-            self.save_state(kernel._iteration)
+        if all(bool(torch.isfinite(theta).all()) for theta in kernel.state.theta):
+            self.save_state(kernel.state.iteration)
 
     def draws(self) -> dict[str, torch.Tensor]:
         """Every kept draw of the chain so far, site -> ``(num_draws, *shape)``."""

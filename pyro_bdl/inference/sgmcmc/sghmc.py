@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pyro_bdl._checks import real
-from pyro_bdl.diagnostics import _ess
 from pyro_bdl.inference.sgmcmc.base import SGMCMCKernel
+from pyro_bdl.inference.sgmcmc.equilibrium import (  # noqa: F401 (public names here too)
+    KINETIC_TOLERANCE,
+    MIN_DRAWS_FOR_CHECK,
+    kinetic_advice,
+    kinetic_warning,
+)
+from pyro_bdl.inference.sgmcmc.state import ChainState
 
 __all__ = ["SGHMC"]
 
-#: Relative distance of the mean kinetic temperature from its target that the
-#: equilibrium check allows beyond its Monte Carlo error: discretisation (of order
-#: ``step_size * curvature``) and minibatch-noise heating smaller than this bias the
-#: position variances by similar, small amounts; beyond it the draws are too wide or
-#: too narrow by as much.
-KINETIC_TOLERANCE = 0.1
-#: Fewest kept draws for the equilibrium check (each half's error estimate needs
-#: an autocorrelation).
-MIN_DRAWS_FOR_CHECK = 40
+
+@dataclass(eq=False)
+class SGHMCState(ChainState):
+    """SGHMC's chain: the parameters and their momenta :math:`m` (whitened, :math:`u =
+    D^{-1/2} m`, with an adapted mass)."""
+
+    SAVED = ("momenta",)
+
+    momenta: list[torch.Tensor] = field(default_factory=list)
 
 
 class SGHMC(SGMCMCKernel):
@@ -75,7 +81,7 @@ class SGHMC(SGMCMCKernel):
     warning: a cold chain is still settling from its start or
     over-damped, a hot one is heated by minibatch gradient noise (lower the step size
     or raise the friction). No check at :math:`T = 0`, nor with fewer than
-    ``MIN_DRAWS_FOR_CHECK`` (40) draws.
+    ``MIN_DRAWS_FOR_CHECK`` (40) draws (see :mod:`~pyro_bdl.inference.sgmcmc.equilibrium`).
 
     **References**
 
@@ -125,41 +131,43 @@ class SGHMC(SGMCMCKernel):
     def hyperparameters(self) -> dict:
         return {**super().hyperparameters(), "friction": self.friction, "mass": self.mass}
 
-    def _init_state(self, theta: list[torch.Tensor]) -> None:
-        self.momenta = [torch.zeros_like(t) for t in theta]
+    def _new_state(self, params: dict[str, torch.Tensor]) -> SGHMCState:
+        return SGHMCState(params, momenta=[torch.zeros_like(t) for t in params.values()])
 
-    def _state(self) -> dict[str, object]:
-        return {"momenta": self.momenta}
+    @property
+    def momenta(self) -> list[torch.Tensor]:
+        """The chain's momenta, one tensor per site (updated in place)."""
+        return self.state.momenta
 
     def _extra_stats(self) -> dict[str, torch.Tensor | float]:
-        if not hasattr(self, "momenta"):  # names only, before set-up
+        if self.state is None:  # names only, before set-up
             return {"kinetic_temperature": math.nan}
         return {"kinetic_temperature": self.kinetic_energy() * (self.num_data / self.dimension)}
 
     def kinetic_energy(self) -> torch.Tensor:
         """:math:`m^\\top m / \\sigma^2` on the device (twice the kinetic energy)."""
-        return torch.stack(torch._foreach_norm(self.momenta)).square().sum() / self.mass
+        return torch.stack(torch._foreach_norm(self.state.momenta)).square().sum() / self.mass
 
     def _decay(self, step_size: float) -> float | torch.Tensor:
         """The momenta's factor per step, ``1 - step_size * friction / mass``."""
         return 1 - step_size * self.friction / self.mass
 
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
-        m, num_data = self.momenta, self.num_data
+        m, scale, num_data = self.state.momenta, self.state.scale, self.num_data
         torch._foreach_mul_(m, self._decay(step_size))
-        if self._scale is None:
+        if scale is None:
             torch._foreach_add_(m, grads, alpha=step_size / num_data)
         else:
             # With an adapted diagonal mass sigma^2 D the momenta are whitened by D^{1/2}:
             # the noise and the friction stay scalars, the kinetic energy m^T m / sigma^2.
-            torch._foreach_addcmul_(m, grads, self._scale, value=step_size / num_data)
+            torch._foreach_addcmul_(m, grads, scale, value=step_size / num_data)
         if self.temperature > 0:
             noise_scale = math.sqrt(2 * step_size * self.temperature * self.friction / num_data)
             torch._foreach_add_(m, self.standard_normal(), alpha=noise_scale)
-        if self._scale is None:
+        if scale is None:
             torch._foreach_add_(theta, m, alpha=step_size / self.mass)
         else:
-            torch._foreach_addcmul_(theta, m, self._scale, value=step_size / self.mass)
+            torch._foreach_addcmul_(theta, m, scale, value=step_size / self.mass)
 
     # -- warm-up adaptation ----------------------------------------------------------
 
@@ -185,78 +193,29 @@ class SGHMC(SGMCMCKernel):
     def _refresh(self) -> None:
         # A Gibbs draw of the momenta from their stationary law, independent of theta.
         variance = self.mass * self._free_kinetic_temperature(self.current_step_size())
-        torch._foreach_mul_(self.momenta, 0.0)
+        momenta = self.state.momenta
+        torch._foreach_mul_(momenta, 0.0)
         torch._foreach_add_(
-            self.momenta, self.standard_normal(), alpha=math.sqrt(variance / self.num_data)
+            momenta, self.standard_normal(), alpha=math.sqrt(variance / self.num_data)
         )
 
-    # -- equilibrium -----------------------------------------------------------------
+    # -- equilibrium (see pyro_bdl.inference.sgmcmc.equilibrium) ---------------------
+
+    def _equilibrium_warning(self) -> str | None:
+        # The target, the rate and the advice are this method's (SGNHT's differ).
+        rules = (self._kinetic_target, self._decorrelation_rate, self._equilibrium_advice)
+        return kinetic_warning(self.kept.stats, self.temperature, self.thin, self.dimension, *rules)
 
     def _kinetic_target(self) -> float:
         """The expected kinetic temperature of this discretisation in equilibrium (with
-        an adapted step size, the excess it was tuned to included)."""
-        return self._free_kinetic_temperature(self.adapted_step_size) * self._tuned_excess()
-
-    def _tuned_excess(self) -> float:
-        """1 + the excess the step size was tuned to (1 when it was not tuned)."""
-        tuned = self._adaptation is not None and self.adapt_step_size
-        return 1 + self.target_excess if tuned else 1.0
-
-    def _equilibrium_warning(self) -> str | None:
-        values = np.asarray(self._stats["kinetic_temperature"], dtype=float)
-        if self.temperature == 0 or len(values) < MIN_DRAWS_FOR_CHECK:
-            return None
-        target = self._kinetic_target()
-        half = len(values) // 2
-        # The later half first: a chain that stays off; then the earlier half: a
-        # transient that warm-up did not cover (its draws are off too).
-        for part, name in ((slice(half, None), "last"), (slice(None, half), "first")):
-            mean = float(values[part].mean())
-            error = self._standard_error(values, part, target)
-            tolerance = KINETIC_TOLERANCE * target + 4 * error
-            if abs(mean - target) > tolerance:
-                return (
-                    f"the kinetic temperature N m^T m / (mass d) averages {mean:.3g} over the "
-                    f"{name} {len(values[part])} of {len(values)} kept draws, but a chain in "
-                    f"equilibrium at temperature {self.temperature:g} has {target:.3g} "
-                    f"(tolerance {tolerance:.2g}; the sample statistic 'kinetic_temperature' "
-                    "has its trace). The chain is not in equilibrium and its draws are likely "
-                    f"too {'narrow' if mean < target else 'wide'}: "
-                    + self._equilibrium_advice(mean < target)
-                )
-        return None
-
-    def _standard_error(self, values: np.ndarray, part: slice, target: float) -> float:
-        """Standard error of the mean kinetic temperature over ``values[part]``.
-
-        The draws are autocorrelated: the kinetic energy forgets its level only through
-        the friction, at rate ``friction / mass`` per unit time, so ``part`` holds at most
-        ``1 + sum(step sizes) * thin * friction / mass`` independent values, fewer if
-        their effective sample size (Geyer's initial monotone sequence, as ArviZ) says so.
-        Each independent value spreads at least as a chi-square in d dimensions does,
-        ``target * sqrt(2 / d)``, however flat the trace (a trace stuck at a low level
-        is flat).
-        """
-        kept = values[part]
-        elapsed = float(np.sum(self._stats["step_size"][part])) * self.thin
-        independent = 1 + elapsed * self._decorrelation_rate(part)
-        ess = float(_ess(kept[np.newaxis, np.newaxis, :])[0])
-        effective = max(min(independent, ess) if math.isfinite(ess) else independent, 1.0)
-        spread = max(float(kept.std(ddof=1)), target * math.sqrt(2 / self.dimension))
-        return spread / math.sqrt(effective)
+        an adapted step size, 1 + the excess it was tuned to included)."""
+        tuned = self.state.adaptation is not None and self.adapt_step_size
+        excess = 1 + self.target_excess if tuned else 1.0
+        return self._free_kinetic_temperature(self.adapted_step_size) * excess
 
     def _decorrelation_rate(self, part: slice) -> float:
         """The rate (per unit time) at which the momenta's energy decorrelates."""
         return self.friction / self.mass
 
     def _equilibrium_advice(self, cold: bool) -> str:
-        if cold:
-            return (
-                "it is still settling from its start or over-damped; run more warmup_steps, "
-                "start nearer the posterior (e.g. from a MAP fit) or lower the friction"
-            )
-        return (
-            "it is still releasing the energy of a far start (run more warmup_steps, or "
-            "start nearer the posterior), or minibatch gradient noise heats it (lower the "
-            "step_size, raise the friction or use larger batches)"
-        )
+        return kinetic_advice(cold)

@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from pyro_bdl.inference.sgmcmc.base import SGMCMCKernel
+from pyro_bdl.inference.sgmcmc.state import ChainState
 
 __all__ = ["SGLD"]
+
+
+@dataclass(eq=False)
+class SGLDState(ChainState):
+    """SGLD's chain: the parameters alone (nothing auxiliary to save).
+
+    :ivar drift_norm: during an adapting warm-up step, the squared norm of the
+        preconditioned drift :math:`|D^{-1/2} g|^2` (a device scalar) that the step-size
+        statistic reads.
+    """
+
+    drift_norm: torch.Tensor | None = None
 
 
 class SGLD(SGMCMCKernel):
@@ -63,12 +77,16 @@ class SGLD(SGMCMCKernel):
     def __init__(self, model, step_size: float | None = None, temperature: float = 1.0, **kwargs):
         super().__init__(model, step_size, temperature, **kwargs)
 
+    def _new_state(self, params: dict[str, torch.Tensor]) -> SGLDState:
+        return SGLDState(params)
+
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
-        scale, num_data = self._scale, self.num_data
+        state, num_data = self.state, self.num_data
+        scale = state.scale
         noise_scale = math.sqrt(2 * step_size * self.temperature / num_data)
         if scale is None:
-            if self._adapting:
-                self._drift_norm = _squared_norm(grads)
+            if state.adapting:
+                state.drift_norm = _squared_norm(grads)
             torch._foreach_add_(theta, grads, alpha=step_size / num_data)
             if self.temperature > 0:
                 torch._foreach_add_(theta, self.standard_normal(), alpha=noise_scale)
@@ -76,8 +94,8 @@ class SGLD(SGMCMCKernel):
         # theta += D^{-1/2} (eps / N D^{-1/2} g + sqrt(2 eps T / N) xi), built in the
         # gradient tensors, which belong to this step.
         torch._foreach_mul_(grads, scale)
-        if self._adapting:
-            self._drift_norm = _squared_norm(grads)
+        if state.adapting:
+            state.drift_norm = _squared_norm(grads)
         if self.temperature > 0:
             torch._foreach_add_(
                 grads, self.standard_normal(), alpha=noise_scale * num_data / step_size
@@ -89,7 +107,7 @@ class SGLD(SGMCMCKernel):
         # plus the kick, exceeds a free particle's kinetic temperature by
         # eps |D^{-1/2} g|^2 / (2 T N d) on average.
         scale = 2 * self.temperature * self.num_data * self.dimension
-        return self._drift_norm * (step_size / scale)
+        return self.state.drift_norm * (step_size / scale)
 
 
 def _squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:

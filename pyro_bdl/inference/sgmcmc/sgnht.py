@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pyro_bdl import distributed
-from pyro_bdl.inference.sgmcmc.sghmc import SGHMC
+from pyro_bdl.inference.sgmcmc.equilibrium import thermostat_advice
+from pyro_bdl.inference.sgmcmc.sghmc import SGHMC, SGHMCState
 
 __all__ = ["SGNHT"]
+
+
+@dataclass(eq=False)
+class SGNHTState(SGHMCState):
+    """SGNHT's chain: SGHMC's, and the thermostat :math:`\\xi` (a device scalar)."""
+
+    SAVED = ("momenta", "thermostat")
+
+    thermostat: torch.Tensor | None = None
 
 
 class SGNHT(SGHMC):
@@ -120,15 +131,21 @@ class SGNHT(SGHMC):
                 "friction=1.0"
             )
 
-    def _init_state(self, theta: list[torch.Tensor]) -> None:
-        super()._init_state(theta)
-        self.thermostat = torch.tensor(self.friction, dtype=theta[0].dtype, device=theta[0].device)
+    def _new_state(self, params: dict[str, torch.Tensor]) -> SGNHTState:
+        like = next(iter(params.values()))
+        return SGNHTState(
+            params,
+            momenta=[torch.zeros_like(t) for t in params.values()],
+            thermostat=torch.tensor(self.friction, dtype=like.dtype, device=like.device),
+        )
 
-    def _state(self) -> dict[str, object]:
-        return {**super()._state(), "thermostat": self.thermostat}
+    @property
+    def thermostat(self) -> torch.Tensor:
+        """The thermostat :math:`\\xi`, a device scalar (updated in place)."""
+        return self.state.thermostat
 
     def _extra_stats(self) -> dict[str, torch.Tensor | float]:
-        thermostat = getattr(self, "thermostat", math.nan)
+        thermostat = math.nan if self.state is None else self.state.thermostat
         return {**super()._extra_stats(), "thermostat": thermostat}
 
     def _end_warmup(self) -> None:
@@ -138,31 +155,32 @@ class SGNHT(SGHMC):
         with torch.no_grad():
             self._refresh()
             spread = math.sqrt(self.temperature / (self.num_data * self.dimension))
-            self.thermostat.normal_(self.friction, spread)
+            self.state.thermostat.normal_(self.friction, spread)
         if self._data_parallel:
-            distributed.broadcast_([self.thermostat])  # rank 0's draw, as for the noise
+            distributed.broadcast_([self.state.thermostat])  # rank 0's draw, as for the noise
 
     def _decay(self, step_size: float) -> float | torch.Tensor:
-        if self._adapting:
+        if self.state.adapting:
             return super()._decay(step_size)  # held at the friction while adapting
-        return 1 - (step_size / self.mass) * self.thermostat
+        return 1 - (step_size / self.mass) * self.state.thermostat
 
     def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         # Ding et al.'s Algorithm 2: the momentum moves first, and the position and the
         # thermostat move with the new momentum, as in SGHMC. Everything stays on the
         # device: no read of the thermostat per step.
         super()._update(theta, grads, step_size)
-        if self._adapting:
+        state = self.state
+        if state.adapting:
             return
         kinetic = self.kinetic_energy() / self.dimension
         # The discretised momenta of a free particle at temperature T have the kinetic
         # temperature T / (1 - eps xi / (2 sigma^2)); holding them at T instead would cool
         # the positions by that factor.
-        rate = (step_size / (2 * self.mass)) * self.thermostat.clamp(0, self.mass / step_size)
+        rate = (step_size / (2 * self.mass)) * state.thermostat.clamp(0, self.mass / step_size)
         target = (self.temperature / self.num_data) / (1 - rate)
         # Beyond mass / step_size the friction would reverse the momenta each step: the
         # chain is then too hot for its step, which the kinetic check at its end reports.
-        self.thermostat.add_(step_size * (kinetic - target)).clamp_(max=self.mass / step_size)
+        state.thermostat.add_(step_size * (kinetic - target)).clamp_(max=self.mass / step_size)
 
     def _max_adapted_step_size(self) -> float:
         # step_size * friction / mass <= 1/2: room for the thermostat to double.
@@ -171,25 +189,19 @@ class SGNHT(SGHMC):
     def _kinetic_target(self) -> float:
         # The thermostat holds the kinetic temperature at the free particle's, for its
         # own mean value (at most twice T, where the clamp above binds).
-        thermostat = float(np.mean(self._stats["thermostat"]))
+        thermostat = float(np.mean(self.kept.stats["thermostat"]))
         step_size = self.adapted_step_size
         rate = step_size * min(max(thermostat, 0.0), self.mass / step_size)
         return self.temperature / (1 - rate / (2 * self.mass))
 
     def _decorrelation_rate(self, part: slice) -> float:
         # The thermostat is the friction; the injected noise acts at rate friction too.
-        thermostat = float(np.mean(self._stats["thermostat"][part]))
+        thermostat = float(np.mean(self.kept.stats["thermostat"][part]))
         return max(self.friction, thermostat) / self.mass
 
     def _equilibrium_advice(self, cold: bool) -> str:
-        xi = float(self.thermostat)
+        xi = float(self.state.thermostat)
         if cold and xi > self.friction:
             cooling = self.step_size * self.temperature / self.num_data
-            return (
-                f"the thermostat is at {xi:.3g}, above the friction {self.friction:g} it "
-                "relaxes to, and it cools only by step_size * T / N = "
-                f"{cooling:.2g} per step (about {(xi - self.friction) / cooling:.3g} more "
-                "steps); start nearer the posterior (e.g. from a MAP fit) or give warm-up "
-                "enough steps to reach it, so that the refresh at its end discards the heat"
-            )
+            return thermostat_advice(xi, self.friction, cooling)
         return super()._equilibrium_advice(cold)

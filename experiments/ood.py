@@ -11,7 +11,7 @@ total uncertainty :math:`\\mathrm{TU} = H[\\bar p]` and epistemic uncertainty
 Samoan from English measures how well it flags the unknown language. The methods:
 
 - **MAP**: the training recipe of the calibration experiment (AdamW, linear warm-up then
-  decay, :func:`~pyro_bdl.experiments.lora_finetune.training_recipe`) with weight decay
+  decay, :func:`~experiments.lora_finetune.training_recipe`) with weight decay
   1e-5 (the paper's SGD baseline; one draw, so TU only).
 - **SGHMC (parallel)**: 4 chains at temperature 1 started at the MAP, one epoch each,
   the last draw of each (a Bayesian deep ensemble, the paper's parallel SGHMC).
@@ -23,7 +23,7 @@ Samoan from English measures how well it flags the unknown language. The methods
   each: parallel SGHMC as the paper runs it, trajectories from independent starts (the
   chains of **SGHMC (parallel)** above all start at the one MAP).
 - **BLoB** (the same recipe, 10 draws) and **LA** (the Laplace recipe of
-  :func:`~pyro_bdl.experiments.lora_finetune.laplace`: K-FAC GGN at the MAP, per-tensor
+  :func:`~experiments.lora_finetune.laplace`: K-FAC GGN at the MAP, per-tensor
   evidence-tuned prior, 100 draws of the linearised predictive's logits; the link is fixed
   to ``"mc"`` here, since the epistemic split needs draws).
 
@@ -48,8 +48,7 @@ from __future__ import annotations
 import pyro
 import torch
 
-from pyro_bdl.data import RecordDataset, load
-from pyro_bdl.experiments.lora_finetune import (
+from experiments.lora_finetune import (
     LORA,
     PRIOR_SCALE,
     WEIGHT_DECAY,
@@ -69,7 +68,8 @@ from pyro_bdl.experiments.lora_finetune import (
     single_thread,
     training_recipe,
 )
-from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
+from experiments.runner import Experiment, markdown_table, mean_sd
+from pyro_bdl.data import RecordDataset, load
 from pyro_bdl.inference import BLoBGuide, fit_blob
 from pyro_bdl.metrics import auroc, uncertainty_decomposition
 from pyro_bdl.plots import plot_uncertainty_histograms
@@ -112,7 +112,7 @@ LANGUAGES = {"english": "eng_Latn", "samoan": "smo_Latn"}
 
 
 def run(experiment: Experiment) -> dict:
-    """One thread; see :func:`~pyro_bdl.experiments.lora_finetune.single_thread`."""
+    """One thread; see :func:`~experiments.lora_finetune.single_thread`."""
     with single_thread():
         return _run(experiment)
 
@@ -348,3 +348,9 @@ def _histograms(cells: dict, experiment: Experiment) -> None:
                 panels[f"{method} EU"] = pooled(method, "epistemic")
         if panels:
             plot_uncertainty_histograms(panels, experiment.out / name, labels=("English", "Samoan"))
+
+
+if __name__ == "__main__":  # python -m experiments.ood [options]
+    from experiments import main
+
+    main(name="ood")

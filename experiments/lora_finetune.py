@@ -17,9 +17,11 @@ The recipes, one for every method of a table:
   5e-4, linear warm-up over 6% of the steps then linear decay to zero, the task's batch
   size and number of steps, for MLE, MAP, MC dropout, the ensemble members, BBB and BLoB
   alike (and IVON's steps, batch and schedule where its function takes them);
-- **Laplace** (:func:`laplace`): K-FAC GGN at the MAP, the prior precision per weight
-  tensor by the evidence, started from a fan-in-scaled prior, and the predictive's link
-  chosen on the validation subset; the test subset is only ever scored.
+- **Laplace** (:func:`laplace`, the library's
+  :func:`~pyro_bdl.inference.fit_laplace_lora`): K-FAC GGN at the MAP, the prior
+  precision per weight tensor by the evidence, started from a fan-in-scaled prior, and
+  the predictive's link chosen on the validation subset; the test subset is only ever
+  scored.
 
 Example::
 
@@ -53,7 +55,7 @@ from pyro_bdl.data import (
     load,
     make_loader,
 )
-from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines, fit_map
+from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines, fit_laplace_lora, fit_map
 from pyro_bdl.metrics import summarize
 from pyro_bdl.models import BayesianNet, LoRAModel, lora_model
 from pyro_bdl.predict import predict_proba
@@ -536,14 +538,13 @@ def laplace(
     marglik_steps: int,
     links: Sequence[str] = LINKS,
 ) -> tuple[LaplaceGuide, dict]:
-    """The Laplace recipe at ``theta_map``: K-FAC GGN, per-site evidence, link on validation.
+    """The Laplace recipe at ``theta_map``: :func:`~pyro_bdl.inference.fit_laplace_lora`
+    from the fan-in-scaled prior :data:`LAPLACE_PRIOR`.
 
-    The checkpoint is the point, as it is (Laplace-LoRA's post-hoc recipe; no refinement
-    to the mode of the fan-in prior's posterior, no mode check). One pass over the
-    training subset for the curvature (dropout off); the prior precision
-    of every weight tensor maximises the evidence (eq. 13), Adam on its log (lr 0.1) from
-    the fan-in-scaled prior :data:`LAPLACE_PRIOR`; then the link of the linearised
-    predictive with the lowest NLL on the validation subset.
+    K-FAC GGN at the checkpoint as it is (one pass over the training subset, dropout
+    off), the prior precision of every weight tensor by the evidence (Adam on its log, lr
+    0.1, ``marglik_steps`` steps), then the link with the lowest NLL on the validation
+    subset.
 
     :param BayesianNet model: the model (its network's prior is the fan-in prior for the
         duration of the fit).
@@ -551,29 +552,22 @@ def laplace(
     :return: the fitted guide and what was chosen: ``prior_precision`` per site, the
         ``log_marginal_likelihood``, the ``link`` and each link's ``validation_nll``.
     """
-    guide = LaplaceGuide(model, curvature="kron")
+    validation = task.validation_loader() if len(links) > 1 else None
+    # The other methods' prior is the IID one; Laplace-LoRA's evidence tuning starts from
+    # the fan-in prior, which the guide reads when it is fitted.
     previous, model.net.prior = model.net.prior, LAPLACE_PRIOR
     try:
-        # Laplace-LoRA's recipe: the Laplace approximation at the fine-tuned checkpoint as
-        # it is. AdamW's decoupled weight decay is not this fan-in prior, so the checkpoint
-        # is not the mode of the posterior the guide's prior defines (the fit's mode check
-        # puts it 7-111 standard deviations away); refining it by full-batch L-BFGS would
-        # change the fine-tune the method is meant to explain (and cost passes through
-        # MiniLM). The evidence then tunes the prior precision around this point.
-        guide.fit(
+        guide, link, scores = fit_laplace_lora(
+            model,
             task.train_loader(0),
             task.num_data,
+            validation,
             map=dict(theta_map),
-            mode_tolerance=None,
-            progress=False,
+            num_steps=marglik_steps,
+            links=links,
         )
     finally:
         model.net.prior = previous
-    guide.optimize_prior_precision("marglik", num_steps=marglik_steps)
-    if len(links) == 1:
-        link, scores = links[0], None
-    else:
-        link, scores = guide.select_link(task.validation_loader(), None, links=tuple(links))
     info = guide.hyperparameters()
     return guide, {
         "prior_precision": info["prior_precision"],

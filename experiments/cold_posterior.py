@@ -96,9 +96,9 @@ from pyro.infer.autoguide.initialization import init_to_value
 from torch.utils.data import DataLoader
 from tqdm.auto import trange
 
+from experiments.lora_finetune import single_thread
+from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.data import WordCollator, WordVocabulary, load, make_loader
-from pyro_bdl.experiments.lora_finetune import single_thread
-from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, MeanFieldGuide, Minibatches, fit_map
 from pyro_bdl.metrics import summarize
 from pyro_bdl.models import CNNLSTM, cnn_lstm_model
@@ -595,3 +595,9 @@ def _plot(summary: Sequence[dict], path: Path) -> None:
     axes[0].legend(fontsize="small")
     figure.suptitle("CNN-LSTM on IMDB: the cold posterior effect")
     figure.savefig(path, format="png")
+
+
+if __name__ == "__main__":  # python -m experiments.cold_posterior [options]
+    from experiments import main
+
+    main(name="cold-posterior")

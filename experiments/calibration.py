@@ -6,7 +6,7 @@ subset by accuracy, ECE (15 bins) and NLL of its Bayesian model average, as mean
 over seeds. Whatever a method chooses (Laplace's link) it chooses on the validation
 subset; the test subset is only scored.
 
-**One training recipe for every method** (BLoB, Table 3; :func:`~pyro_bdl.experiments.
+**One training recipe for every method** (BLoB, Table 3; :func:`~experiments.
 lora_finetune.training_recipe`): AdamW at peak learning rate 5e-4, linear warm-up over 6%
 of the steps then linear decay to zero, the task's batch size (32, Table 3's RoBERTa) and
 number of steps, for MLE, MAP, MCD, the ensemble members, BBB, BLoB and IVON alike. The
@@ -34,7 +34,7 @@ methods:
   likelihood's curvature of most LoRA weights (about 0.006), so the means stay near zero
   and the posterior's noise (sd 0.19) hides what they learn; a wider prior (sd 1) and a
   cold posterior (T <= 0.01) let it learn.
-- **LA**: the Laplace recipe (:func:`~pyro_bdl.experiments.lora_finetune.laplace`):
+- **LA**: the Laplace recipe (:func:`~experiments.lora_finetune.laplace`):
   K-FAC GGN on every LoRA weight and the head at the MAP, one prior precision per weight
   tensor maximising the evidence from a fan-in-scaled prior, the predictive's link chosen
   on the validation subset (100 joint logit draws for ``"mc"``). **LLLA**: the same on the
@@ -81,7 +81,7 @@ from pathlib import Path
 import pyro
 import torch
 
-from pyro_bdl.experiments.lora_finetune import (
+from experiments.lora_finetune import (
     LEARNING_RATE,
     LINKS,
     LORA,
@@ -106,7 +106,7 @@ from pyro_bdl.experiments.lora_finetune import (
     single_thread,
     training_recipe,
 )
-from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
+from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import BLoBGuide, IVONGuide, baselines, fit_blob, fit_ivon
 from pyro_bdl.inference.vi.blob_svi import warmup_schedule
 from pyro_bdl.models import DictLogits
@@ -115,7 +115,7 @@ from pyro_bdl.priors import IIDNormal
 
 __all__ = ["run", "FULL", "PAPER", "QUICK", "METHODS"]
 
-#: The :class:`~pyro_bdl.experiments.runner.Experiment` options this experiment takes
+#: The :class:`~experiments.runner.Experiment` options this experiment takes
 #: beyond the common ones.
 OPTIONS = ("epochs",)
 
@@ -203,7 +203,7 @@ LAPLACE_TORCH_TASKS = ("sst2", "boolq")
 
 
 def run(experiment: Experiment) -> dict:
-    """One thread; see :func:`~pyro_bdl.experiments.lora_finetune.single_thread`."""
+    """One thread; see :func:`~experiments.lora_finetune.single_thread`."""
     with single_thread():
         return _run(experiment)
 
@@ -776,3 +776,9 @@ def _diagram(rows: dict, path: Path, dataset: str) -> None:
         labels = torch.cat([torch.as_tensor(result["labels"]) for result in per_seed])
         pooled[row] = (probs, labels)
     reliability_diagram(pooled, path, title=f"{dataset} (test, seeds pooled)")
+
+
+if __name__ == "__main__":  # python -m experiments.calibration [options]
+    from experiments import main
+
+    main(name="calibration")

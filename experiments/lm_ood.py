@@ -91,11 +91,11 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch.utils.data import ConcatDataset
 
+from experiments.lora_finetune import _quiet, checkpoint, single_thread
+from experiments.ood import LANGUAGES, _auroc
+from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl import lm
 from pyro_bdl.data import CausalLMCollator, TokenWindows, load, make_loader
-from pyro_bdl.experiments.lora_finetune import _quiet, checkpoint, single_thread
-from pyro_bdl.experiments.ood import LANGUAGES, _auroc
-from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import (
     SGHMC,
     BLoBGuide,
@@ -835,3 +835,9 @@ def _histograms(cells: Mapping[str, Mapping[int, dict]], out: Path) -> None:
                 panels[f"{method} EU"] = pooled(method, "epistemic")
         if panels:
             plot_uncertainty_histograms(panels, out / name, labels=("English", "Samoan"))
+
+
+if __name__ == "__main__":  # python -m experiments.lm_ood [options]
+    from experiments import main
+
+    main(name="lm-ood")

@@ -85,9 +85,9 @@ from pyro.infer.autoguide.initialization import init_to_value
 from torch.utils.data import ConcatDataset
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from experiments.lora_finetune import single_thread
+from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.data import CausalLMCollator, TokenWindows, load, make_loader
-from pyro_bdl.experiments.lora_finetune import single_thread
-from pyro_bdl.experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import LaplaceGuide, fit_map
 from pyro_bdl.lift import lift
 from pyro_bdl.models import BayesianNet, NextToken
@@ -505,3 +505,9 @@ def _plot_average(summary: Mapping, path: Path) -> None:
     )
     ax.legend(fontsize="small")
     figure.savefig(path, format="png")
+
+
+if __name__ == "__main__":  # python -m experiments.continual [options]
+    from experiments import main
+
+    main(name="continual")

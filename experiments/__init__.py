@@ -1,0 +1,157 @@
+"""The papers' experiments at laptop scale: a package of the repository, not of the library.
+
+Run from a checkout of the repository (its root on ``sys.path``)::
+
+    python -m experiments calibration --data-dir ../shared/data --out results/calibration
+    python -m experiments.calibration --data-dir ../shared/data --out results/calibration
+    make experiment NAME=calibration ARGS="--quick"
+
+Each experiment is a module with ``run(experiment: Experiment) -> dict`` that writes
+``results.json`` and its PNG figures into ``experiment.out`` and returns the results, and
+``METHODS``, the names ``--methods`` takes. Progress goes to the ``experiments`` and
+``pyro_bdl`` loggers (stderr; ``-q`` / ``-v``); each experiment prints its tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from experiments.runner import Experiment, markdown_table, mean_sd
+
+# The pyro-bdl command's argument types and one-line errors, so that both commands
+# refuse bad arguments alike.
+from pyro_bdl.cli import _directory, _output, _Parser, _report, _seed
+
+__all__ = ["EXPERIMENTS", "Experiment", "run_experiment", "main", "markdown_table", "mean_sd"]
+
+#: Experiment name -> module; modules are imported on use, since each pulls in models and data.
+EXPERIMENTS = {
+    "calibration": "experiments.calibration",
+    "cold-posterior": "experiments.cold_posterior",
+    "continual": "experiments.continual",
+    "lm-ood": "experiments.lm_ood",
+    "ood": "experiments.ood",
+}
+
+
+def run_experiment(name: str, **options) -> dict:
+    """Run experiment ``name`` with the options of :class:`Experiment`.
+
+    Example::
+
+        run_experiment("calibration", data_dir="../shared/data", out="results/cal", quick=True)
+    """
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
+    module = importlib.import_module(EXPERIMENTS[name])
+    if options.get("epochs") is not None and "epochs" not in getattr(module, "OPTIONS", ()):
+        raise ValueError(
+            f"--epochs: the {name} experiment sets a training length per method (see its "
+            "module docstring); only calibration takes --epochs"
+        )
+    if options.get("model") is not None and "model" not in getattr(module, "OPTIONS", ()):
+        raise ValueError(
+            f"--model: the {name} experiment builds its own network; only lm-ood takes --model"
+        )
+    return module.run(Experiment(name=name, **options))
+
+
+def main(
+    argv: Sequence[str] | None = None, name: str | None = None, prog: str | None = None
+) -> None:
+    """The command line of the experiments: ``python -m experiments NAME [options]``.
+
+    Bad arguments end with one line on stderr and status 2 before any work; dataset and
+    method names, checked by the experiment before it loads anything, with one line and
+    status 1.
+
+    :param argv: the arguments (default: ``sys.argv[1:]``).
+    :param str name: the experiment, when the command is one experiment's module
+        (``python -m experiments.ood``); otherwise the first positional argument.
+    :param str prog: the command's name in messages.
+    """
+    if prog is None:
+        prog = "python -m " + (EXPERIMENTS[name] if name else "experiments")
+    parser = _parser(prog, name)
+    args = parser.parse_args(argv)
+    _report(args, ("pyro_bdl", "experiments"))
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"argument --seeds: each seed once, got {args.seeds}")
+    options = vars(args)
+    for flag in ("quiet", "verbose"):
+        del options[flag]
+    try:
+        run_experiment(options.pop("name", name), **options)
+    except (ValueError, FileNotFoundError) as error:  # bad names, malformed data: one line
+        sys.exit(f"{prog}: error: {error}")
+
+
+def _parser(prog: str, name: str | None) -> _Parser:
+    from pyro_bdl.data import DATASETS
+
+    parser = _Parser(
+        prog=prog,
+        description="Run one of the papers' experiments at laptop scale (or the papers' on a GPU)",
+        more_help=lambda: _methods_help(name),
+    )
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument(
+        "-q", "--quiet", action="store_true", help="report warnings and errors only"
+    )
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="report debug messages")
+    if name is None:
+        parser.add_argument("name", choices=sorted(EXPERIMENTS), help="the experiment")
+    parser.add_argument(
+        "--data-dir", type=_directory, required=True, help="folder holding the datasets"
+    )
+    parser.add_argument("--out", type=_output, required=True, help="output directory")
+    parser.add_argument("--quick", action="store_true", help="CI-sized run (< 2 minutes)")
+    parser.add_argument("--seeds", type=_seed, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--datasets",
+        nargs="+",
+        metavar="DATASET",
+        help=f"restrict to these of the experiment's datasets ({', '.join(DATASETS)})",
+    )
+    parser.add_argument(
+        "--methods", nargs="+", metavar="METHOD", help="restrict to these methods (below)"
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the networks run: cpu (laptop-scale sizes) or cuda (the papers' sizes)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        help="train every fine-tune this many epochs (calibration: an ablation of the length)",
+    )
+    parser.add_argument(
+        "--model",
+        type=_model_directory,
+        help="a local Hugging Face causal LM to use as the base (lm-ood)",
+    )
+    return parser
+
+
+def _model_directory(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a directory; pass a local Hugging Face model directory"
+        )
+    return text
+
+
+def _methods_help(name: str | None) -> str:
+    # The methods are named in the experiment modules, which import the models (seconds):
+    # read only for --help.
+    names = sorted(EXPERIMENTS) if name is None else [name]
+    lines = ["methods of each experiment (--methods):"]
+    for each in names:
+        methods = importlib.import_module(EXPERIMENTS[each]).METHODS
+        lines.append(f"  {each}: {', '.join(methods)}")
+    return "\n".join(lines)

@@ -1,0 +1,5 @@
+"""``python -m experiments NAME [options]``: run one of the papers' experiments."""
+
+from experiments import main
+
+main()
