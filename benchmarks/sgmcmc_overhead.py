@@ -24,7 +24,10 @@ The adapted kernels (issue 22) on the same cases: a warm-up step of SGHMC and SG
 ``adapt_step_size`` and ``adapt_mass_matrix`` (Pyro's defaults; squared gradients and the
 step-size statistic each step) against the fixed kernel's warm-up step, target <= 1.2,
 and a sampling step after adaptation (a diagonal mass in the update) against the fixed
-kernel's, target <= 1.02; the two kernels step side by side in blocks of five.
+kernel's, target <= 1.02; the two kernels step side by side in blocks of five. The warm-up
+steps timed are the start buffer's (the first 75 of a long warm-up), the dearest: an
+exponentially weighted mean and second moment of the gradients, refreshing the mass at
+steps 1, 2, 4, ...; a slow window's step only sums the gradients and their squares.
 
 ``--ess``: effective samples per second against NUTS on the five models of issue 22
 (``tests/inference/sgmcmc/reference_models.py``): the smallest bulk ESS over the compared

@@ -198,7 +198,7 @@ class Adaptation:
         if adapt_mass_matrix:
             self._mass = FlatBuffers(theta)  # holds D^{-1/2}, the scale of the update
             self._means = FlatBuffers(theta)
-            self._squares = FlatBuffers(theta)  # variances, or sums of squared deviations
+            self._squares = FlatBuffers(theta)  # second moments, or sums of squares
             for flat in (*self._mass.flats, *self._means.flats, *self._squares.flats):
                 flat.zero_()
 
@@ -223,15 +223,18 @@ class Adaptation:
             if first:
                 # one gradient: its square sets the scale of the first steps
                 torch._foreach_copy_(means, grads)
+                torch._foreach_addcmul_(squares, grads, grads)
                 self._refresh_mass(1, math.inf)
             elif self._window == 0:
-                # The start buffer: an exponentially weighted mean and variance; the mass
-                # follows them at steps 2, 4, 8, ...
+                # The start buffer: exponentially weighted first and second moments (their
+                # weights sum to one), the mass following them at steps 2, 4, 8, ... In
+                # place: a difference g - mean per step, a fresh tensor the size of the
+                # model, made this step a fifth dearer than a slow window's on the 1M MLP
+                # of benchmarks/sgmcmc_overhead.py.
                 weight = max(1.0 / self._count, _START_WEIGHT)
-                delta = torch._foreach_sub(grads, means)
-                torch._foreach_add_(means, delta, alpha=weight)
+                torch._foreach_lerp_(means, grads, weight)
                 torch._foreach_mul_(squares, 1 - weight)
-                torch._foreach_addcmul_(squares, delta, delta, value=weight * (1 - weight))
+                torch._foreach_addcmul_(squares, grads, grads, value=weight)
                 if self._count & (self._count - 1) == 0:
                     cap = math.inf if self._count < _START_REFRESH else _DRIFT_CAP
                     self._refresh_mass(min(self._count, 1 / _START_WEIGHT), cap)
@@ -281,12 +284,9 @@ class Adaptation:
             return False
         last = self._window == len(self._windows) - 1
         if self.adapt_mass_matrix and 0 < self._window < len(self._windows) - 1:
-            # the sums become the window's mean and variance
-            means, squares = self._means.flats, self._squares.flats
-            torch._foreach_mul_(means, 1.0 / self._count)
-            torch._foreach_mul_(squares, 1.0 / self._count)
-            torch._foreach_addcmul_(squares, means, means, value=-1.0)
-            torch._foreach_clamp_min_(squares, 0.0)
+            # the sums become the window's first and second moments
+            torch._foreach_mul_(self._means.flats, 1.0 / self._count)
+            torch._foreach_mul_(self._squares.flats, 1.0 / self._count)
             self._refresh_mass(self._count, _DRIFT_CAP)
         if self.adapt_mass_matrix and self._window < len(self._windows) - 1:
             for flat in (*self._means.flats, *self._squares.flats):
@@ -312,16 +312,18 @@ class Adaptation:
     # -- internals ---------------------------------------------------------------------
 
     def _refresh_mass(self, count: float, cap: float) -> None:
-        """:math:`D^{-1/2}` from the gradients' ``means`` and variances (``squares``) over
-        :math:`N T`: their variance plus their squared mean, counted up to ``cap`` times
-        the variance, and falling at most ``_MAX_DROP``-fold: an estimate from ``count``
-        gradients, and where it is below the geometric mean over coordinates, shrunk
-        towards it on the log scale (weight ``count / (count + 5)``, as Stan shrinks its
-        variances), so that coordinates of very different scales keep them."""
+        """:math:`D^{-1/2}` from the gradients' first (``means``) and second (``squares``)
+        moments over :math:`N T`: their variance plus their squared mean, counted up to
+        ``cap`` times the variance, and falling at most ``_MAX_DROP``-fold: an estimate
+        from ``count`` gradients, and where it is below the geometric mean over
+        coordinates, shrunk towards it on the log scale (weight ``count / (count + 5)``, as
+        Stan shrinks its variances), so that coordinates of very different scales keep
+        them."""
         previous = [flat.clone() for flat in self._mass.flats]  # D^{-1/2} so far
         for scale, means, squares in zip(self._mass.flats, self._means.flats, self._squares.flats):
-            variance = squares * (1 / self._gradient_scale)
-            drift = means.square().mul_(1 / self._gradient_scale)
+            drift = means.square()
+            variance = torch.sub(squares, drift).clamp_min_(0.0).mul_(1 / self._gradient_scale)
+            drift.mul_(1 / self._gradient_scale)
             if math.isfinite(cap):
                 torch.minimum(drift, variance * cap, out=drift)
             torch.add(variance, drift, out=scale)

@@ -32,36 +32,45 @@ from .reference_models import CASES
 pytestmark = pytest.mark.usefixtures("float64")
 
 MIN_ESS = 100
-#: (kernel, model, minibatch) -> (warm-up steps, draws): enough draws for MIN_ESS.
+#: (kernel, model, minibatch) -> (warm-up steps, draws): enough draws for MIN_ESS at each
+#: seed measured, 0-5, on 2 shared CPU cores; the figures per seed are in
+#: the closing note of issue 22. Not every seed passes: SGHMC's sd on the Gaussian is 1.21
+#: and 1.15 at seeds 2 and 4 at ESS over 1,000, a bias (at d = 2 the step-size iteration,
+#: which moves every step on a statistic as noisy as its mean, cools the chain it measures,
+#: and the kept step runs at an excess of 0.33). What sets the count
+#: (``docs/methods/sgmcmc.rst``, "How many draws"):
+#:
+#: - SGLD on the regression and on eight schools: on a Gaussian, SGLD's effective draws per
+#:   draw along a direction equal that direction's excess variance, so the step that holds
+#:   the stiff directions at ``target_excess`` leaves a direction kappa times less stiff
+#:   (the correlated coefficients a diagonal mass cannot whiten) about 0.1 / kappa: bulk
+#:   ESS 65 and 59 of 10,000 and 8,000 draws at this seed; with 20,000, 134 to 569 and
+#:   124 to 427 over seeds 0-5 (but eight schools' seed 4: see the test after this one).
+#: - SGHMC on eight schools: log tau's sd has a heavy-tailed estimate (its bulk ESS
+#:   does not bound it): over seeds 0-5 with 6,000 draws its ratio to NUTS' spread from
+#:   0.85 to 1.15, about 0.1 per seed, so 15 % was 1.5 errors; 18,000 draws make it 2.6.
+#: - Minibatches of 64 of 569 (the same posterior as the full batch, so the same NUTS
+#:   reference): the gradient noise makes most of the excess at the adapted step (SGLD
+#:   0.08, SGHMC 0.15, of a target of 0.1) and the mass grows with it (1 + N / B times
+#:   the curvature), so a chain needs about N / (2 B target_excess) steps per independent
+#:   draw whatever its step size, some five passes through the data. SGHMC: bulk ESS 11
+#:   of 5,000 draws, 202 to 302 of 60,000 over seeds 0-2, so 40,000 (105 to 181 at seeds
+#:   3-5); SGLD: 29 of 12,000, 105 to 174 of 60,000 over seeds 0-5 (the most a slow test
+#:   affords, about a minute; at seed 4 a mean is 0.22 sd off, 2.9 Monte Carlo errors).
 RUNS = {
     ("SGHMC", "gaussian", None): (500, 3000),
-    ("SGHMC", "breast_cancer", None): (1000, 5000),
-    ("SGHMC", "regression", None): (1000, 5000),
-    ("SGHMC", "eight_schools", None): (1000, 6000),
-    ("SGHMC", "breast_cancer", 64): (1000, 5000),
+    ("SGHMC", "breast_cancer", None): (1000, 8000),
+    ("SGHMC", "regression", None): (1000, 8000),
+    ("SGHMC", "eight_schools", None): (1000, 18000),
+    ("SGHMC", "breast_cancer", 64): (1000, 40000),
     ("SGLD", "gaussian", None): (500, 6000),
     ("SGLD", "breast_cancer", None): (1000, 12000),
-    ("SGLD", "regression", None): (1000, 10000),
-    ("SGLD", "eight_schools", None): (1000, 8000),
-    ("SGLD", "breast_cancer", 64): (1000, 12000),
+    ("SGLD", "regression", None): (1000, 20000),
+    ("SGLD", "eight_schools", None): (1000, 20000),
+    ("SGLD", "breast_cancer", 64): (1000, 60000),
 }
-#: Runs whose draws fall short of MIN_ESS (measured on 2 shared CPU cores, these seeds):
-#: SGLD's random walk mixes too slowly here for a test's budget; about three times the
-#: draws would be needed. Strict, so that a kernel that mixes faster shows.
-SLOW_MIXING = {
-    ("SGLD", "regression", None): "bulk ESS 48 of 10,000 draws (linear.weight)",
-    ("SGLD", "eight_schools", None): "bulk ESS 38 of 8,000 draws (tau)",
-    # tau's sd: 1.151 of NUTS' at bulk ESS 164 (limit 1.15). The step size is tuned on the
-    # excess averaged over all ten directions, which dilutes the funnel coordinate's: over
-    # seeds 0-5 this run passes in 4 (before the far-start fix of the mass: 2, this seed
-    # among them; seed 2 fails both ways at 0.845).
-    ("SGHMC", "eight_schools", None): "tau's sd 1.151 of NUTS' (limit 1.15)",
-    # Minibatches of 64 (the same posterior as the full batch, so the same NUTS reference):
-    # the means are within 0.2 sd and the sds within 15 % of NUTS', but the step size that
-    # the gradient noise leaves (0.43 against the full batch's larger one) mixes slowly.
-    ("SGHMC", "breast_cancer", 64): "bulk ESS 11 of 5,000 draws (w)",
-    ("SGLD", "breast_cancer", 64): "bulk ESS 29 of 12,000 draws (w)",
-}
+#: Runs known to fall short. Strict, so that a fix shows.
+SLOW_MIXING = {}
 KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "SGNHT": SGNHT}
 FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
 
@@ -108,6 +117,28 @@ def test_defaults_match_nuts(kernel_name, model_name, minibatch):
     kernel = KERNELS[kernel_name](case.model, **case.kernel_options)  # no step size
     samples = _sample(case, kernel, num_samples, warmup_steps)
     _assert_matches_nuts(case, samples)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="SGLD's log tau jumps from about 1.6 to -256 at seed 4 and stays there",
+)
+def test_sgld_stays_in_the_posterior_of_eight_schools_at_another_seed():
+    # At seed 4 (seeds 0-3 and 5 pass test_defaults_match_nuts), in the second slow window
+    # (steps 150-250), with log tau's mass learnt in a window the chain spent in the
+    # funnel's neck (0.04, the others about 0.1), a state up the funnel, where log tau's
+    # curvature grows as tau^2, makes SGLD's explicit step throw log tau to -256. There its
+    # gradient is the prior's +1, and it climbs back at about 0.003 a step: the draws sit
+    # 195 NUTS sds off (the kernel warns, R-hat). Neither the step-size statistic nor the
+    # mass can foresee a curvature a hundred times the window's; SGHMC's friction-bounded
+    # momentum does not jump (seeds 0-5 pass). A working chain's 500 draws (ESS of tens)
+    # are within 3 NUTS sds of its mean; this one is not.
+    case = CASES["eight_schools"]()
+    samples = _sample(case, SGLD(case.model, **case.kernel_options), 500, 1000, seed=4)
+    reference = case.reference()["tau"]
+    offset = (samples["tau"].log().mean() - reference["mean"][0]) / reference["sd"][0]
+    assert abs(offset) < 3, offset
 
 
 def test_mass_equalises_an_ill_conditioned_gaussian():
