@@ -377,6 +377,7 @@ class Adaptation:
                 tensors.update({f"{name}/{i}": flat for i, flat in enumerate(buffers.flats)})
         numbers = {key: getattr(self, key) for key in _STATE}
         numbers["trend"] = list(self._trend.values)
+        numbers["start_buffer"] = "second moments"
         return tensors, numbers
 
     def load_state(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
@@ -388,6 +389,10 @@ class Adaptation:
         for key in _STATE:
             setattr(self, key, numbers[key])
         self._trend.values = list(numbers["trend"])
+        if self._mass is not None and self._window == 0 and "start_buffer" not in numbers:
+            # Checkpoints of earlier versions hold the start buffer's variances; with the
+            # same weights the second moment is exactly the variance plus the squared mean.
+            torch._foreach_addcmul_(self._squares.flats, self._means.flats, self._means.flats)
 
     def _buffers(self) -> dict[str, FlatBuffers]:
         return {"scale": self._mass, "means": self._means, "squares": self._squares}

@@ -251,6 +251,42 @@ def test_resumed_warmup_continues_its_adaptation_exactly(tmp_path):
     assert torch.equal(kernel.inverse_mass_matrix["w"], reference.inverse_mass_matrix["w"])
 
 
+def test_a_start_buffer_saved_as_variances_resumes_as_second_moments():
+    # Checkpoints of earlier versions hold the start buffer's variances where this one
+    # holds second moments; restored, they must give the mass an uninterrupted run gives
+    # (the identity second moment = variance + squared mean is exact for these weights).
+    from pyro_bdl.inference.sgmcmc.adaptation import Adaptation
+
+    torch.manual_seed(0)
+    theta = [torch.zeros(3, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64)]
+    gradients = [[torch.randn_like(t) + 2.0 for t in theta] for _ in range(16)]
+
+    def adaptation():
+        options = {"scale": 10.0, "start": 0.2, "step_exponent": 1.0, "max_step_size": 1.0}
+        return Adaptation(
+            theta, 200, 0.1, adapt_step_size=False, adapt_mass_matrix=True,
+            target_excess=0.1, **options,
+        )  # fmt: skip
+
+    straight, resumed = adaptation(), adaptation()
+    for grads in gradients[:11]:
+        straight.observe_gradient(grads)
+    tensors, numbers = straight.state()
+    old = dict(numbers)
+    del old["start_buffer"]
+    old_tensors = {**tensors}
+    for key, mean in tensors.items():
+        if key.startswith("means/"):
+            squares = key.replace("means/", "squares/")
+            old_tensors[squares] = tensors[squares] - mean * mean
+    resumed.load_state(old_tensors, old)
+    for grads in gradients[11:]:  # step 16 refreshes the mass
+        straight.observe_gradient(grads)
+        resumed.observe_gradient(grads)
+    for ours, reference in zip(resumed.inverse_mass, straight.inverse_mass):
+        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=0)
+
+
 def test_each_chain_adapts_on_its_own_under_chains():
     from pyro_bdl.inference import Chains
 
