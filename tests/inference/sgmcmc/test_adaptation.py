@@ -59,8 +59,8 @@ MIN_ESS = 100
 #:   3-5); SGLD: 29 of 12,000, 105 to 174 of 60,000 over seeds 0-5 (the most a slow test
 #:   affords, about a minute; at seed 4 a mean is 0.22 sd off, 2.9 Monte Carlo errors).
 #: - The MLP on ``make_moons`` (its 12 logits at fixed inputs; N = 150): bulk ESS over
-#:   seeds 0-2, SGHMC 169 to 249 of 10,000 draws (full batch) and 171 to 319 of 20,000
-#:   (minibatches of 64); SGLD 162 to 235 of 20,000 and 134 to 357 of 40,000. SGLD's ESS
+#:   seeds 0-4, SGHMC 169 to 398 of 10,000 draws (full batch) and 171 to 319 of 20,000
+#:   (minibatches of 64); SGLD 111 to 341 of 20,000 and 102 to 357 of 40,000. SGLD's ESS
 #:   grows unevenly with the draws here (minibatches, seed 1: 52 of the first 20,000, 23
 #:   of 25,000, 110 of 30,000), so its minibatch count is the longest a slow test affords.
 RUNS = {
@@ -81,7 +81,7 @@ RUNS = {
 }
 _MOONS_BIAS = (
     "too wide at the adapted step where the data pin the function: at seed 0 the sd of the "
-    "logit between the moons, at (1.17, 0.25), is {} NUTS's ({} over seeds 0-2) and the "
+    "logit between the moons, at (1.17, 0.25), is {} NUTS's ({} over seeds 0-4) and the "
     "worst mean is {} NUTS sd off. A discretisation bias: a third of the adapted step (mass "
     "still adapted) gives sd ratios 0.9-1.1; presumably the step-size statistic, an average "
     "of the variance excess over all 33 weights, is diluted by the directions the data "
@@ -89,10 +89,10 @@ _MOONS_BIAS = (
 )
 #: Runs known to fall short. Strict, so that a fix shows.
 SLOW_MIXING = {
-    ("SGHMC", "moons", None): _MOONS_BIAS.format(1.46, "1.42-1.70", 0.25),
+    ("SGHMC", "moons", None): _MOONS_BIAS.format(1.46, "1.42-1.93", 0.25),
     ("SGHMC", "moons", 64): _MOONS_BIAS.format(1.32, "1.27-1.49", 0.12),
-    ("SGLD", "moons", None): _MOONS_BIAS.format(1.90, "1.42-1.90", 0.43),
-    ("SGLD", "moons", 64): _MOONS_BIAS.format(1.52, "1.37-1.52", 0.11),
+    ("SGLD", "moons", None): _MOONS_BIAS.format(1.90, "1.26-1.90", 0.43),
+    ("SGLD", "moons", 64): _MOONS_BIAS.format(1.52, "1.12-1.65: seed 4 passes", 0.11),
 }
 KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "SGNHT": SGNHT}
 FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
