@@ -20,9 +20,12 @@ class SGLDState(ChainState):
     :ivar drift_norm: during an adapting warm-up step, the squared norm of the
         preconditioned drift :math:`|D^{-1/2} g|^2` (a device scalar) that the step-size
         statistic reads.
+    :ivar inverse_mass: after warm-up, the adapted :math:`D^{-1}` (derived from
+        ``scale``, so not saved), which makes a step two passes over the parameters.
     """
 
     drift_norm: torch.Tensor | None = None
+    inverse_mass: list[torch.Tensor] | None = None
 
 
 class SGLD(SGMCMCKernel):
@@ -91,11 +94,19 @@ class SGLD(SGMCMCKernel):
             if self.temperature > 0:
                 torch._foreach_add_(theta, self.standard_normal(), alpha=noise_scale)
             return
+        if not state.adapting:
+            # The mass is fixed: theta += eps / N D^{-1} g + sqrt(2 eps T / N) D^{-1/2} xi,
+            # two passes, as many as the fixed kernel's.
+            if state.inverse_mass is None:
+                state.inverse_mass = torch._foreach_mul(scale, scale)
+            torch._foreach_addcmul_(theta, grads, state.inverse_mass, value=step_size / num_data)
+            if self.temperature > 0:
+                torch._foreach_addcmul_(theta, self.standard_normal(), scale, value=noise_scale)
+            return
         # theta += D^{-1/2} (eps / N D^{-1/2} g + sqrt(2 eps T / N) xi), built in the
         # gradient tensors, which belong to this step.
         torch._foreach_mul_(grads, scale)
-        if state.adapting:
-            state.drift_norm = _squared_norm(grads)
+        state.drift_norm = _squared_norm(grads)
         if self.temperature > 0:
             torch._foreach_add_(
                 grads, self.standard_normal(), alpha=noise_scale * num_data / step_size
