@@ -19,6 +19,14 @@ records how). ``minibatch`` makes the model subsample its data with Pyro's own i
   Cauchy-like tail, whose Monte Carlo error is unbounded).
 - ``gaussian``: a 2-d Gaussian with standard deviations 1 and 1 / sqrt(1000) (condition
   number 1,000), a model without data.
+- ``moons``: a 2-H-1 tanh MLP made random by :func:`pyro_bdl.lift` (the library's default
+  prior, ``IIDNormal(1.0)`` on every weight) on scikit-learn's ``make_moons``, compared
+  in function space: the network's logit at ``MOONS_GRID``, points over and just
+  outside the data (weight-space moments mean nothing under the hidden units'
+  permutation and sign symmetries). Its NUTS reference's four chains, started apart,
+  agree on the logits (R-hat at most 1.001, bulk ESS at least 2,847). The network runs
+  on all the data and the plate subsamples its logits: a lifted network called inside a
+  subsampled plate would have its weights broadcast over the plate.
 
 Eight schools here has the priors of Stan's and BDA3's non-centred model (``mu ~
 Normal(0, 5)``, ``tau ~ HalfCauchy(5)``, ``eta`` in a plate), not those of Pyro's example
@@ -130,9 +138,49 @@ def make_gaussian() -> Case:
     return Case("gaussian", model, (), {"z": None}, {"num_data": 1})
 
 
+#: Where ``moons`` compares the network's logit: a 4 x 3 grid over and just outside the
+#: data (x in [-1.1, 2.1], y in [-0.6, 1.1] for noise 0.2).
+MOONS_GRID = torch.cartesian_prod(
+    torch.linspace(-1.5, 2.5, 4, dtype=torch.float64),
+    torch.linspace(-1.0, 1.5, 3, dtype=torch.float64),
+)
+MOONS_HIDDEN = 8
+
+
+def make_moons(minibatch: int | None = None) -> Case:
+    from sklearn.datasets import make_moons as moons
+
+    import pyro_bdl as bdl
+
+    inputs, labels = moons(n_samples=150, noise=0.2, random_state=0)
+    x = torch.tensor(inputs, dtype=torch.float64)
+    y = torch.tensor(labels, dtype=torch.float64)
+    torch.manual_seed(0)  # the module's initial weights are where the chains start
+    layers = (
+        torch.nn.Linear(2, MOONS_HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(MOONS_HIDDEN, 1),
+    )
+    net = bdl.lift(torch.nn.Sequential(*layers).double())
+
+    def model(x, y):
+        logits = net(x).squeeze(-1)
+        with _plate(len(y), minibatch) as index:
+            pyro.sample("obs", dist.Bernoulli(logits=logits[index]), obs=y[index])
+
+    def logits(samples):
+        # draws stacked in front: the lifted network runs them at once (torch.func.vmap)
+        draws = {site: samples[site] for site in net.random_sites}
+        with torch.no_grad():
+            return pyro.poutine.condition(net, data=draws)(MOONS_GRID).squeeze(-1)
+
+    return Case("moons", model, (x, y), {"logit": logits})
+
+
 CASES = {
     "breast_cancer": make_breast_cancer,
     "regression": make_regression,
     "eight_schools": make_eight_schools,
     "gaussian": make_gaussian,
+    "moons": make_moons,
 }

@@ -5,7 +5,15 @@ standard deviations are stored. Each file records the run that made it: Pyro's N
 (``target_accept_prob=0.9``, ``init_to_median``), its chains, warm-up and draws, and its
 smallest bulk ESS over the compared coordinates, so a reader can judge the reference's
 own Monte Carlo error (sd / sqrt(ESS) for a mean; about 1 / sqrt(2 ESS) relative for an
-sd). The gaussian case is exact and written without NUTS.
+sd), and the largest rank-normalised split R-hat across its chains: a reference whose
+chains disagree (above 1.01) is not a reference. The gaussian case is exact and written
+without NUTS. On two cores Pyro runs the chains one after another.
+
+``moons`` is a Bayesian neural network, whose posterior NUTS explores poorly in weight
+space (the hidden units' permutations and sign flips make equivalent modes); its
+reference is the posterior of the network's logits at fixed inputs, which the
+symmetries leave unchanged, from four chains started apart (``init_to_median`` of
+independent prior draws), and its R-hat says whether they found the same function.
 
 Run: ``python tests/inference/sgmcmc/references/make_references.py [name ...]``
 """
@@ -24,7 +32,7 @@ import torch
 from pyro.infer import MCMC, NUTS
 from pyro.infer.autoguide.initialization import init_to_median
 
-from pyro_bdl.diagnostics import ess_bulk
+from pyro_bdl.diagnostics import ess_bulk, rhat
 
 HERE = Path(__file__).parent
 #: (chains, warm-up, draws per chain, max_tree_depth) per model
@@ -32,6 +40,7 @@ SETTINGS = {
     "breast_cancer": (2, 1000, 5000, 10),
     "regression": (2, 1000, 5000, 10),
     "eight_schools": (2, 1000, 10000, 10),
+    "moons": (4, 500, 1000, 10),
 }
 
 
@@ -70,10 +79,9 @@ def make(name: str, models) -> None:
     flat = {site: value.reshape(-1, *value.shape[2:]) for site, value in grouped.items()}
     compared = case.summarise(flat)
     by_chain = case.summarise({k: v.reshape(-1, *v.shape[2:]) for k, v in grouped.items()})
-    ess = min(
-        float(np.min(ess_bulk(values.reshape(chains, draws, -1).numpy())))
-        for values in by_chain.values()
-    )
+    per_chain = [values.reshape(chains, draws, -1).numpy() for values in by_chain.values()]
+    ess = min(float(np.min(ess_bulk(values))) for values in per_chain)
+    max_rhat = max(float(np.max(rhat(values))) for values in per_chain)
     sites = {
         site: {"mean": values.mean(0).tolist(), "sd": values.std(0).tolist()}
         for site, values in compared.items()
@@ -85,10 +93,12 @@ def make(name: str, models) -> None:
         "warmup_steps": warmup,
         "num_samples": draws,
         "min_bulk_ess": round(ess),
+        "max_rhat": round(max_rhat, 4),
         "seconds": round(seconds),
         "torch": torch.__version__,
         "pyro": pyro.__version__,
     }
+    print(name, "bulk ESS", round(ess), "R-hat", [np.round(rhat(v), 3) for v in per_chain])
     write(name, sites, run)
 
 
