@@ -29,6 +29,7 @@ import pyro
 import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_feasible, init_to_sample
+from pyro.poutine.runtime import get_plates
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -212,6 +213,7 @@ class LiftedModule:
     def __call__(self, *args, **kwargs):
         if self._fixed_depth:
             return self.module(*args, **kwargs)
+        self._warn_inside_subsampled_plate()
         values = {}
         batched = []  # the random weights that carry a batch of draws
         for site, name in self.random_sites.items():
@@ -233,6 +235,22 @@ class LiftedModule:
         if batched:
             return self._vectorised(values, batched, args, kwargs)
         return functional_call(self.module, values, args, kwargs, tie_weights=False)
+
+    def _warn_inside_subsampled_plate(self) -> None:
+        # Pyro gives a site inside a plate the plate's batch shape: the weights would be
+        # one draw per example of the minibatch, each with its prior scaled by N / B.
+        for frame in get_plates():
+            if frame.full_size is not None and frame.size < frame.full_size:
+                warnings.warn(
+                    f"lift: {type(self.module).__name__} was called inside "
+                    f"pyro.plate({frame.name!r}, {frame.full_size}, subsample_size="
+                    f"{frame.size}), so its random weights are drawn once per example of the "
+                    f"minibatch with the prior scaled by {frame.full_size}/{frame.size}; call "
+                    "the network outside the plate and index its output inside it (or use "
+                    "bdl.observe)",
+                    stacklevel=3,
+                )
+                return
 
     def _vectorised(self, values: dict, batched: list[str], args: tuple, kwargs: dict):
         """The forward for a batch of draws, e.g. from ``Predictive(..., parallel=True)``.

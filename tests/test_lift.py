@@ -320,3 +320,29 @@ def test_sites_that_are_not_module_weights_start_at_a_feasible_point():
     net = bdl.lift(layer)
     trace = pyro.poutine.trace(InitMessenger(bdl.init_to_module)(net)).get_trace(torch.ones(2))
     assert torch.equal(trace.nodes["weight"]["value"], layer.weight.detach())
+
+
+def test_a_network_called_inside_a_subsampled_plate_warns_naming_the_plate():
+    # Pyro broadcasts a site inside a plate over it: the weights become one draw per
+    # example, which a lifted network's user never means.
+    net = bdl.lift(_mlp())
+    x = torch.randn(10, 3)
+    with pyro.plate("data", 10, subsample_size=4), pytest.warns(UserWarning) as caught:
+        net(x[:4])
+    (warning,) = [w for w in caught if "lift:" in str(w.message)]
+    assert "pyro.plate('data', 10, subsample_size=4)" in str(warning.message)
+    assert warning.filename == __file__  # points at the user's call
+    trace = pyro.poutine.trace(net).get_trace(x)  # outside any plate: no warning, one draw
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net(x)
+    assert all(
+        site["value"].shape == param.shape
+        for site, param in zip(
+            (trace.nodes[name] for name in net.random_sites), net.module.parameters()
+        )
+    )
+    with warnings.catch_warnings():  # a full plate (vectorised particles) is not data
+        warnings.simplefilter("error")
+        with pyro.plate("particles", 3, dim=-3):
+            net(x)
