@@ -134,13 +134,12 @@ class Predictor:
 
         :raises ValueError: for an ensemble, a guide or dropout draws (no single point).
         """
-        (member,) = self.members if len(self.members) == 1 else (None,)
-        if member is None or member.samples is None or self.mc_dropout:
+        if len(self.members) != 1 or self.members[0].samples is None or self.mc_dropout:
             raise ValueError(
                 "point(): this predictor holds no single point estimate (an ensemble, a guide "
                 "or MC dropout); it is defined for map_estimate and mle"
             )
-        return {site: value[0] for site, value in member.samples.items()}
+        return {site: value[0] for site, value in self.members[0].samples.items()}
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         """Probabilities of the model's classes for a batch, ``(S, B, C)``."""
