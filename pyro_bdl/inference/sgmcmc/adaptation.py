@@ -97,6 +97,7 @@ from pyro.infer.mcmc.adaptation import WarmupAdapter
 
 from pyro_bdl import distributed
 from pyro_bdl.inference.sgmcmc._buffers import FlatBuffers
+from pyro_bdl.inference.sgmcmc.stiffness import StiffDirection
 
 __all__ = ["Adaptation", "DEFAULT_TARGET_EXCESS"]
 
@@ -195,6 +196,10 @@ class Adaptation:
         self._final = [0.0, 0]  # sum and number of log step sizes of the last window
         self._trend = _Trend()
         self._mass = self._squares = self._means = None
+        #: How much stiffer than the average the stiffest direction found is (see
+        #: stiffness.py), measured in the slow windows.
+        self.stiffness = 1.0
+        self._stiff = StiffDirection(theta) if adapt_step_size else None
         if adapt_mass_matrix:
             self._mass = FlatBuffers(theta)  # holds D^{-1/2}, the scale of the update
             self._means = FlatBuffers(theta)
@@ -244,6 +249,8 @@ class Adaptation:
         if first:
             self.step_size = self._first_step_size(grads)
             self._log_step = math.log(self.step_size)
+        if self._stiff is not None and 0 < self._window < len(self._windows) - 1:
+            self._stiff.observe(grads, self.scale)  # the slow windows, whose mass is fixed
 
     def observe_statistic(self, excess: float, potential: float) -> None:
         """Take a step's excess (see the module docstring) and its potential energy, and
@@ -283,6 +290,8 @@ class Adaptation:
         if self._window >= len(self._windows) or iteration != self._windows[self._window].end:
             return False
         last = self._window == len(self._windows) - 1
+        if self._stiff is not None and 0 < self._window < len(self._windows) - 1:
+            self.stiffness = self._stiff.ratio()
         if self.adapt_mass_matrix and 0 < self._window < len(self._windows) - 1:
             # the sums become the window's first and second moments
             torch._foreach_mul_(self._means.flats, 1.0 / self._count)
@@ -377,7 +386,11 @@ class Adaptation:
                 tensors.update({f"{name}/{i}": flat for i, flat in enumerate(buffers.flats)})
         numbers = {key: getattr(self, key) for key in _STATE}
         numbers["trend"] = list(self._trend.values)
+        if self._stiff is not None:
+            stiff_tensors, numbers["stiff"] = self._stiff.state()
+            tensors.update({f"stiff/{key}": t for key, t in stiff_tensors.items()})
         numbers["start_buffer"] = "second moments"
+        numbers["stiffness"] = self.stiffness
         return tensors, numbers
 
     def load_state(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
@@ -389,6 +402,11 @@ class Adaptation:
         for key in _STATE:
             setattr(self, key, numbers[key])
         self._trend.values = list(numbers["trend"])
+        if self._stiff is not None and "stiff" in numbers:  # (earlier versions: none)
+            prefix = "stiff/"
+            stiff = {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
+            self._stiff.load_state(stiff, numbers["stiff"])
+            self.stiffness = numbers["stiffness"]
         if self._mass is not None and self._window == 0 and "start_buffer" not in numbers:
             # Checkpoints of earlier versions hold the start buffer's variances; with the
             # same weights the second moment is exactly the variance plus the squared mean.

@@ -248,8 +248,8 @@ def test_without_adaptation_a_kernel_is_the_fixed_step_for_step(kernel_class, fl
 
 def test_resumed_warmup_continues_its_adaptation_exactly(tmp_path):
     # Interrupted in the middle of warm-up (inside a slow window), a chain resumed from
-    # its checkpoint goes on with the same mass, squared gradients and step size: the
-    # same draws as a chain never interrupted.
+    # its checkpoint goes on with the same mass, squared gradients, step size and
+    # stiffest direction: the same draws as a chain never interrupted.
     model, data = _linear()
 
     def run(directory, interrupt_at=None):
@@ -272,6 +272,8 @@ def test_resumed_warmup_continues_its_adaptation_exactly(tmp_path):
     assert torch.equal(resumed, straight)
     assert kernel.adapted_step_size == reference.adapted_step_size
     assert torch.equal(kernel.inverse_mass_matrix["w"], reference.inverse_mass_matrix["w"])
+    # and the power method on the stiffest direction (stiffness.py) goes on mid-block
+    assert kernel.state.adaptation.stiffness == reference.state.adaptation.stiffness
 
 
 def test_a_start_buffer_saved_as_variances_resumes_as_second_moments():
