@@ -26,9 +26,22 @@ During ``warmup_steps`` a kernel built with ``adapt_mass_matrix=True`` and / or
   Discretisation error (large steps against stiff directions) and minibatch gradient
   noise (which heats the chain) both raise the statistic; the potential energy, which
   minibatches cannot estimate, is never needed. The step size is tuned until the
-  statistic averages ``target_excess`` (10 %: standard deviations about 5 % too wide
-  where the curvature is largest, less elsewhere), the analogue of NUTS's
+  statistic averages ``target_excess`` (10 %), the analogue of NUTS's
   ``target_accept_prob``.
+
+  The excess grows with a direction's curvature, and a diagonal mass equalises the
+  curvature along the coordinates only: where the data pin a combination of parameters
+  (a network's output near its data) the whitened curvature along it can be many times
+  the average, and so can its excess. So the slow windows also find the stiffest
+  direction, by the power method on the chain's own whitened gradients
+  (:mod:`~pyro_bdl.inference.sgmcmc.stiffness`), and measure how much stiffer than the
+  average it is, ``stiffness``; at the end of warm-up the step size is lowered until
+  that direction's excess, ``stiffness * target_excess`` at the tuned step, is
+  ``target_excess`` (:attr:`Adaptation.stiff_factor`): standard deviations about 5 %
+  too wide where the curvature is largest, less elsewhere. (Tuning the average to
+  ``target_excess / stiffness`` instead would not do for SGHMC: on a network its
+  momenta's statistic is dominated by the heat the chain releases as it crosses the
+  posterior, and a lower target barely moves the step.)
 
   The kinetic temperature is a property of the chain's state, not of one step: the
   energy that a chain releases on its way in from a far start heats it for a while,
@@ -252,6 +265,30 @@ class Adaptation:
         if self._stiff is not None and 0 < self._window < len(self._windows) - 1:
             self._stiff.observe(grads, self.scale)  # the slow windows, whose mass is fixed
 
+    @property
+    def stiff_factor(self) -> float:
+        """The factor on the step size that brings the stiffest direction found from its
+        excess at the tuned step, ``stiffness * target_excess``, down to
+        ``target_excess`` (1 when it is not stiffer than the average).
+
+        The excess of a Gaussian direction is :math:`e = x / (c - x)` in SGLD's
+        :math:`x = \\epsilon\\lambda` (:math:`c = 2`) and in SGHMC's :math:`x =
+        \\epsilon^2\\lambda N / \\sigma^2` (:math:`c = 2(2 - \\epsilon\alpha/\\sigma^2)`),
+        so :math:`e / (1 + e) = x / c` scales as the step size to the power
+        ``1 / step_exponent``. (SGHMC's :math:`c` grows as the step falls, so its
+        excess ends a little below the target.)
+        """
+        found = self.stiffness * self.target_excess
+        wanted = min(found, self.target_excess)
+        return (_odds(wanted) / _odds(found)) ** self._exponent
+
+    @property
+    def average_excess(self) -> float:
+        """The excess averaged over directions at the kept step size: ``target_excess``,
+        lowered with the step by :attr:`stiff_factor`."""
+        scaled = _odds(self.target_excess) * self.stiff_factor ** (1 / self._exponent)
+        return scaled / (1 - scaled)
+
     def observe_statistic(self, excess: float, potential: float) -> None:
         """Take a step's excess (see the module docstring) and its potential energy, and
         tune the step size.
@@ -314,6 +351,7 @@ class Adaptation:
         if self.adapt_step_size and self._final[1] > 0:
             self.step_size = math.exp(self._final[0] / self._final[1])
             self._final = [0.0, 0]
+            self.step_size *= self.stiff_factor
         self._window = len(self._windows)
         if self._data_parallel:
             self._agree()
@@ -417,6 +455,12 @@ class Adaptation:
 
 
 _STATE = ("step_size", "_window", "_count", "_observed", "_spread", "_log_step", "_final")
+
+
+def _odds(excess: float) -> float:
+    """:math:`e / (1 + e)`: for the kernels' discretisations, proportional to the step size
+    to the power ``1 / step_exponent`` (see :attr:`Adaptation.stiff_factor`)."""
+    return excess / (1 + excess)
 
 
 def _log(values: torch.Tensor) -> torch.Tensor:

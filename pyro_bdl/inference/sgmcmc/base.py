@@ -62,10 +62,6 @@ from pyro_bdl.inference.sgmcmc.schedules import Constant
 from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
 from pyro_bdl.inference.sgmcmc.target import checked_init_params, model_target, placed_like
 
-#: The stiffest direction found in warm-up may have standard deviations this much too
-#: wide (the tolerance of the defaults' tests against NUTS) before the kernel warns.
-STIFF_TOLERANCE = 0.15
-
 __all__ = ["SGMCMCKernel", "DivergenceError"]
 
 
@@ -254,7 +250,6 @@ class SGMCMCKernel(MCMCKernel):
             if state.iteration == self._warmup_steps:
                 if state.adaptation is not None:
                     state.adaptation.finish()
-                    self._warn_if_stiff()
                 self._end_warmup()
             warmup = state.iteration < self._warmup_steps
             for inner in range(1 if warmup else self.thin):
@@ -354,6 +349,14 @@ class SGMCMCKernel(MCMCKernel):
         return self.step_size if adaptation is None else adaptation.step_size
 
     @property
+    def stiffness(self) -> float | None:
+        """How much stiffer than the average (after the mass) the stiffest direction
+        found in warm-up is; the kept step size was lowered for it when above 1 (see
+        :mod:`~pyro_bdl.inference.sgmcmc.stiffness`). None without step-size adaptation."""
+        adaptation = None if self.state is None else self.state.adaptation
+        return None if adaptation is None or not self.adapt_step_size else adaptation.stiffness
+
+    @property
     def inverse_mass_matrix(self) -> dict[str, torch.Tensor] | None:
         """The diagonal of the adapted inverse mass :math:`D^{-1}` per site, shaped like
         the site's unconstrained value (None when the mass is not adapted): the
@@ -390,29 +393,6 @@ class SGMCMCKernel(MCMCKernel):
 
     #: The step size scales as (mass / curvature) to this power (SGLD: 1).
     _step_exponent = 1.0
-
-    def _warn_if_stiff(self) -> None:
-        """Warn when the stiffest direction found in warm-up is hotter than the
-        tolerance: the step size was tuned on the excess averaged over directions, and the
-        excess grows with the curvature (see :mod:`~pyro_bdl.inference.sgmcmc.stiffness`)."""
-        stiffness = self.state.adaptation.stiffness
-        excess = stiffness * self.target_excess
-        if math.sqrt(1 + excess) - 1 <= STIFF_TOLERANCE:
-            return
-        warnings.warn(
-            f"{type(self).__name__}: the stiffest direction of the target that warm-up's "
-            f"gradients show is {stiffness:.1f} times stiffer than the average the step size "
-            f"was tuned on (target_excess={self.target_excess:g}, averaged over directions "
-            f"after the diagonal mass), so the draws' variance there is about {excess:.0%} "
-            f"too large (standard deviations {math.sqrt(1 + excess) - 1:.0%} too wide). "
-            "Typical where the data pin a combination of parameters (a network's output "
-            "near its data): lower target_excess towards "
-            f"{self.target_excess / stiffness:.2g}, which costs about "
-            f"{stiffness**self._step_exponent:.1f} times the steps per effective draw, and "
-            "compare the quantities you report with a run at the lower target",
-            RuntimeWarning,
-            stacklevel=3,
-        )
 
     def _max_adapted_step_size(self) -> float:
         """The largest step size adaptation may try, in mass-adapted units."""

@@ -208,9 +208,10 @@ class SGHMC(SGMCMCKernel):
 
     def _kinetic_target(self) -> float:
         """The expected kinetic temperature of this discretisation in equilibrium (with
-        an adapted step size, 1 + the excess it was tuned to included)."""
-        tuned = self.state.adaptation is not None and self.adapt_step_size
-        excess = 1 + self.target_excess if tuned else 1.0
+        an adapted step size, 1 + the average excess it was tuned to included)."""
+        adaptation = self.state.adaptation
+        tuned = adaptation is not None and self.adapt_step_size
+        excess = 1 + adaptation.average_excess if tuned else 1.0
         return self._free_kinetic_temperature(self.adapted_step_size) * excess
 
     def _decorrelation_rate(self, part: slice) -> float:

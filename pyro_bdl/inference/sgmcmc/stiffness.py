@@ -10,7 +10,9 @@ draw). The variance excess of a discretised chain grows with the curvature direc
 direction (SGLD's :math:`\epsilon\lambda/2`, SGHMC's :math:`\propto\epsilon^2\lambda`, and
 the heat of minibatch gradient noise, whose covariance is the Fisher's, also
 :math:`\propto\lambda`), so a step size tuned on the excess averaged over directions
-leaves the stiffest ones that many times hotter.
+leaves the stiffest ones that many times hotter; warm-up therefore ends by lowering the
+step until the stiffest direction found is at the target
+(:attr:`~pyro_bdl.inference.sgmcmc.adaptation.Adaptation.stiff_factor`).
 
 By the Fisher identity the second moment of the gradients is the expected curvature,
 :math:`\mathbb{E}_\pi[g g^\top] = \mathbb{E}_\pi[-\nabla^2\log\pi]`, so its leading

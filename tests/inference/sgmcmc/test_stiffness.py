@@ -1,4 +1,4 @@
-"""The stiffest direction found in warm-up, and the warning it raises."""
+"""The stiffest direction found in warm-up, and the step size lowered for it."""
 
 import math
 import warnings
@@ -75,14 +75,16 @@ def _correlated_gaussian():
     return model, covariance
 
 
-def test_sgld_excess_along_the_stiffest_direction_is_stiffness_times_target():
-    # SGLD's step statistic is its own gradient, so along any direction its excess is
-    # the statistic's projection: the average held at target_excess, the stiffest
-    # direction at stiffness * target_excess. 40,000 draws along the stiff direction,
-    # which mixes in a few steps, leave the variance within about 1.5 % (Monte Carlo):
-    # 0.05 is over 3 standard errors.
+@pytest.mark.parametrize("kernel_class", [SGLD, SGHMC])
+def test_stiffest_direction_is_held_at_the_target_excess(kernel_class):
+    # The diagonal mass leaves the correlation: along the precision's top eigenvector the
+    # whitened curvature is 1.95 times the average, and the kept step is lowered until
+    # its variance excess is target_excess (0.1; SGHMC a little below, as the friction's
+    # share of its excess grows when the step falls). 40,000 draws along the stiff
+    # direction, which mixes in a few steps, leave its variance within about 1.5 %
+    # (Monte Carlo): 0.05 is over 3 standard errors.
     model, covariance = _correlated_gaussian()
-    kernel = SGLD(model, num_data=1)
+    kernel = kernel_class(model, num_data=1)
     pyro.set_rng_seed(0)
     mcmc = MCMC(kernel, num_samples=40_000, warmup_steps=2000, disable_progbar=True)
     with warnings.catch_warnings():
@@ -91,31 +93,22 @@ def test_sgld_excess_along_the_stiffest_direction_is_stiffness_times_target():
     precision = torch.linalg.inv(covariance)
     scale = kernel.inverse_mass_matrix["z"].sqrt()
     whitened = torch.linalg.eigvalsh(scale[:, None] * precision * scale[None, :])
-    stiffness = kernel.state.adaptation.stiffness
-    assert stiffness == pytest.approx((whitened.max() / whitened.mean()).item(), rel=0.1)
+    assert kernel.stiffness == pytest.approx((whitened.max() / whitened.mean()).item(), rel=0.1)
+    assert kernel.state.adaptation.stiff_factor < 1
     stiffest = torch.linalg.eigh(precision).eigenvectors[:, -1]
     z = mcmc.get_samples()["z"]
     excess = (z @ stiffest).var() / (stiffest @ covariance @ stiffest) - 1
-    assert excess.item() == pytest.approx(stiffness * kernel.target_excess, abs=0.05)
+    assert excess.item() == pytest.approx(kernel.target_excess, abs=0.05)
 
 
-@pytest.mark.parametrize("kernel_class", [SGLD, SGHMC])
-def test_a_network_whose_data_pin_a_direction_warns(kernel_class):
-    case = CASES["moons"]()
-    pyro.set_rng_seed(0)
-    mcmc = MCMC(kernel_class(case.model), num_samples=2, warmup_steps=500, disable_progbar=True)
-    with pytest.warns(RuntimeWarning, match="stiffest direction .* lower target_excess"):
-        mcmc.run(*case.args)
-
-
-def test_an_axis_aligned_gaussian_does_not_warn():
-    # Condition number 1,000, but along the axes: the diagonal mass whitens it.
+def test_an_axis_aligned_gaussian_keeps_its_tuned_step():
+    # Condition number 1,000, but along the axes: the diagonal mass whitens it, the
+    # stiffest direction is no stiffer than the average, and the step stays as tuned.
     case = CASES["gaussian"]()
     pyro.set_rng_seed(0)
     kernel = SGHMC(case.model, **case.kernel_options)
     mcmc = MCMC(kernel, num_samples=2, warmup_steps=500, disable_progbar=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
         mcmc.run()
-    assert not [w for w in caught if "stiffest" in str(w.message)]
-    assert kernel.state.adaptation.stiffness < 1.3
+    assert kernel.stiffness < 1.3
