@@ -37,7 +37,7 @@ During ``warmup_steps`` a kernel built with ``adapt_mass_matrix=True`` and / or
   (:mod:`~pyro_bdl.inference.sgmcmc.stiffness`), and measure how much stiffer than the
   average it is, ``stiffness``; at the end of warm-up the step size is lowered until
   that direction's excess, ``stiffness * target_excess`` at the tuned step, is
-  ``target_excess`` (:attr:`Adaptation.stiff_factor`): standard deviations about 5 %
+  ``target_excess`` (``Adaptation.stiff_factor``): standard deviations about 5 %
   too wide where the curvature is largest, less elsewhere. (Tuning the average to
   ``target_excess / stiffness`` instead would not do for SGHMC: on a network its
   momenta's statistic is dominated by the heat the chain releases as it crosses the
@@ -267,16 +267,17 @@ class Adaptation:
 
     @property
     def stiff_factor(self) -> float:
-        """The factor on the step size that brings the stiffest direction found from its
+        r"""The factor on the step size that brings the stiffest direction found from its
         excess at the tuned step, ``stiffness * target_excess``, down to
         ``target_excess`` (1 when it is not stiffer than the average).
 
-        The excess of a Gaussian direction is :math:`e = x / (c - x)` in SGLD's
-        :math:`x = \\epsilon\\lambda` (:math:`c = 2`) and in SGHMC's :math:`x =
-        \\epsilon^2\\lambda N / \\sigma^2` (:math:`c = 2(2 - \\epsilon\alpha/\\sigma^2)`),
-        so :math:`e / (1 + e) = x / c` scales as the step size to the power
-        ``1 / step_exponent``. (SGHMC's :math:`c` grows as the step falls, so its
-        excess ends a little below the target.)
+        On a Gaussian direction of curvature :math:`\lambda` (in the mass's coordinates)
+        the excess is :math:`e = x / (c - x)` with SGLD's :math:`x \propto
+        \epsilon\lambda` and :math:`c = 2`, and SGHMC's :math:`x \propto
+        \epsilon^2\lambda / \sigma^2` and :math:`c = 2(2 - \epsilon\alpha/\sigma^2)`
+        (the stationary variance of its discretisation). So :math:`e / (1 + e) = x / c`
+        scales as the step size to the power ``1 / step_exponent``; SGHMC's :math:`c`
+        grows a little as the step falls, so its excess ends a little below the target.
         """
         found = self.stiffness * self.target_excess
         wanted = min(found, self.target_excess)
@@ -459,7 +460,7 @@ _STATE = ("step_size", "_window", "_count", "_observed", "_spread", "_log_step",
 
 def _odds(excess: float) -> float:
     """:math:`e / (1 + e)`: for the kernels' discretisations, proportional to the step size
-    to the power ``1 / step_exponent`` (see :attr:`Adaptation.stiff_factor`)."""
+    to the power ``1 / step_exponent`` (see ``Adaptation.stiff_factor``)."""
     return excess / (1 + excess)
 
 

@@ -12,13 +12,13 @@ the heat of minibatch gradient noise, whose covariance is the Fisher's, also
 :math:`\propto\lambda`), so a step size tuned on the excess averaged over directions
 leaves the stiffest ones that many times hotter; warm-up therefore ends by lowering the
 step until the stiffest direction found is at the target
-(:attr:`~pyro_bdl.inference.sgmcmc.adaptation.Adaptation.stiff_factor`).
+(``Adaptation.stiff_factor``).
 
 By the Fisher identity the second moment of the gradients is the expected curvature,
 :math:`\mathbb{E}_\pi[g g^\top] = \mathbb{E}_\pi[-\nabla^2\log\pi]`, so its leading
 eigenvector is the stiffest direction on average over the posterior, and the ratio of
 its Rayleigh quotient to the mean eigenvalue (``trace / d``) is how much hotter that
-direction runs. :class:`StiffDirection` finds it by the power method on the chain's own
+direction runs. ``StiffDirection`` finds it by the power method on the chain's own
 (whitened) gradients: each block of gradients multiplies the current direction by their
 second moment, :math:`v \leftarrow \sum_t g_t (g_t^\top v)` normalised; no extra gradient
 is computed. The ratio is measured on gradients the direction was not fitted to (each
