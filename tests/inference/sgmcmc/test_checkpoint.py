@@ -116,7 +116,7 @@ def test_state_is_safetensors_with_json_settings_and_rng(tmp_path):
         keys = set(handle.keys())
         state = json.loads(handle.metadata()["state"])
     adapted = {f"adaptation/{name}/0" for name in ("scale", "means", "squares")}
-    stiff = {"direction/0", "next/0", "along", "total"}
+    stiff = {"direction/0", "next/0", "block/0", "slope/0", "sums"}
     adapted |= {f"adaptation/stiff/{name}" for name in stiff}
     assert keys == {
         "theta/weight",
