@@ -262,8 +262,8 @@ class Adaptation:
         if first:
             self.step_size = self._first_step_size(grads)
             self._log_step = math.log(self.step_size)
-        if self._stiff is not None and 0 < self._window < len(self._windows) - 1:
-            self._stiff.observe(grads, self.scale)  # the slow windows, whose mass is fixed
+        if self._stiff is not None and self._in_slow_window:
+            self._stiff.observe(grads, self.scale)  # the mass is fixed there
 
     @property
     def stiff_factor(self) -> float:
@@ -328,9 +328,9 @@ class Adaptation:
         if self._window >= len(self._windows) or iteration != self._windows[self._window].end:
             return False
         last = self._window == len(self._windows) - 1
-        if self._stiff is not None and 0 < self._window < len(self._windows) - 1:
+        if self._stiff is not None and self._in_slow_window:
             self.stiffness = self._stiff.ratio()
-        if self.adapt_mass_matrix and 0 < self._window < len(self._windows) - 1:
+        if self.adapt_mass_matrix and self._in_slow_window:
             # the sums become the window's first and second moments
             torch._foreach_mul_(self._means.flats, 1.0 / self._count)
             torch._foreach_mul_(self._squares.flats, 1.0 / self._count)
@@ -358,6 +358,11 @@ class Adaptation:
             self._agree()
 
     # -- internals ---------------------------------------------------------------------
+
+    @property
+    def _in_slow_window(self) -> bool:
+        """Between the start buffer and the end buffer, where the mass is fixed."""
+        return 0 < self._window < len(self._windows) - 1
 
     def _refresh_mass(self, count: float, cap: float) -> None:
         """:math:`D^{-1/2}` from the gradients' first (``means``) and second (``squares``)

@@ -24,9 +24,10 @@ covariance, :math:`v \leftarrow \sum_t (g_t - \bar g)(g_t - \bar g)^\top v` norm
 no extra gradient is computed. Near the posterior the mean gradient vanishes and this is
 the second moment; on a chain's way in the mean is a steady force, which the second
 moment would report as a direction about d times stiffer than the average (measured on
-the 1M-weight MLP of ``benchmarks/sgmcmc_overhead.py``: 466,000), and centring on each
-block's mean removes it. The ratio is measured on gradients the direction was not fitted to (each
-step's against the direction of the blocks before it): the top eigenvalue of a sample
+the 1M-weight MLP of ``benchmarks/sgmcmc_overhead.py``: 466,000), so each block is taken
+about its own straight line in time, which removes it. The ratio is measured on
+gradients the direction was not fitted to (each step's against the direction of the
+blocks before it): the top eigenvalue of a sample
 second moment is biased upwards, by orders of magnitude when the dimension exceeds the
 number of gradients (a million weights, a few hundred steps), while an out-of-sample
 Rayleigh quotient is unbiased for whatever direction was found.
@@ -37,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from pyro_bdl.inference.sgmcmc._buffers import FlatBuffers
+from pyro_bdl.inference.sgmcmc.device import norm
 
 __all__ = ["StiffDirection"]
 
@@ -51,8 +53,9 @@ STRIDE = 4
 
 
 class StiffDirection:
-    """The power method on the second moment of a chain's whitened gradients, and how
-    much stiffer than average the direction it finds is.
+    """The power method on the covariance of a chain's whitened gradients (within
+    blocks, about each block's straight line in time), and how much stiffer than average
+    the direction it finds is.
 
     :param list theta: the chain's parameters (shapes, dtypes and devices).
     """
@@ -143,8 +146,7 @@ class StiffDirection:
         return max(1.0, along * self._dimension / total) if total > 0 else 1.0
 
     def _normalise(self, buffers: FlatBuffers) -> None:
-        norm = torch.stack([n.double() for n in torch._foreach_norm(buffers.flats)]).norm()
-        scale = 1 / norm.clamp_min(torch.finfo(torch.float64).tiny)
+        scale = 1 / norm(buffers.flats).double().clamp_min(torch.finfo(torch.float64).tiny)
         for flat in buffers.flats:
             flat.mul_(scale.to(flat.dtype))
 
