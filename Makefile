@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo experiment test test-quick bench lint docs venv clean
+.PHONY: demo experiment test test-quick validate bench lint docs venv clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,11 @@ experiment: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The long statistical checks (SGMCMC defaults against NUTS and posteriordb, the
+# experiments in --quick mode, the examples), printing their tables as they go.
+validate: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider validation
+
 # Without the long-running experiment and example runs (marked slow; CI runs them all).
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -50,8 +55,8 @@ docs: $(STAMP)
 	$(PY) -m sphinx -E -W --keep-going -n -q -b html docs docs/_build/html
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pyro_bdl experiments tests benchmarks examples
-	$(VENV)/bin/ruff format --check pyro_bdl experiments tests benchmarks examples
+	$(VENV)/bin/ruff check pyro_bdl experiments tests validation benchmarks examples conftest.py
+	$(VENV)/bin/ruff format --check pyro_bdl experiments tests validation benchmarks examples conftest.py
 
 clean:
 	rm -rf $(VENV) results

@@ -10,7 +10,7 @@ learn, the data are synthetic, of the same shapes, generated here with a fixed s
 
 :data:`MODELS` maps a name to a :class:`PortedModel`; ``PortedModel.make()`` builds the
 model and its arguments in the current default dtype (tests set float64). Tests import
-this module as ``pyro_models`` (``tests/conftest.py`` puts this folder on ``sys.path``).
+this module as ``pyro_models`` (the root ``conftest.py`` puts this folder on ``sys.path``).
 """
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+"""Fixtures of both tiers: ``tests/`` (``make test``) and ``validation/`` (``make validate``)."""
+
 import logging
 import os
 import sys
@@ -13,11 +15,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+ROOT = Path(__file__).resolve().parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
 
 # The models ported from Pyro's examples (tests/pyro_models.py), importable by every test
 # module as ``pyro_models`` (tests are imported with --import-mode=importlib).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 @pytest.fixture(autouse=True)
