@@ -31,6 +31,18 @@ Batch formats (``B`` records, ``L`` tokens: the longest of the batch, ``C`` choi
   ``labels`` ``(B,)``.
 
 Every tensor is ``torch.long``.
+
+Tensors already in memory (features and targets, token ids of a whole split) need no
+collator: :class:`TensorLoader` takes each batch of every tensor in one indexing
+operation, reshuffled every pass from its own seed, sharded across ranks on request::
+
+    from pyro_bdl.data import TensorLoader
+
+    loader = TensorLoader((X, y), batch_size=64, shuffle=True, seed=0)
+    mcmc.run(loader, len(X))
+
+A plain ``DataLoader(TensorDataset(X, y), ...)`` passed to an inference routine is made
+as fast (:func:`~pyro_bdl.data.tensor_loader.sliced`: the same batches, by index).
 """
 
 from pyro_bdl.data.datasets import DATASETS, load
@@ -38,6 +50,7 @@ from pyro_bdl.data.loader import make_loader
 from pyro_bdl.data.prompts import answer_labels, choice_pairs, format_prompt
 from pyro_bdl.data.readers import read_gutenberg
 from pyro_bdl.data.records import RecordDataset
+from pyro_bdl.data.tensor_loader import TensorLoader
 from pyro_bdl.data.tokenize import (
     CausalLMCollator,
     CausalMultipleChoiceCollator,
@@ -56,6 +69,7 @@ __all__ = [
     "ClassificationCollator",
     "MultipleChoiceCollator",
     "RecordDataset",
+    "TensorLoader",
     "TokenWindows",
     "WordCollator",
     "WordVocabulary",

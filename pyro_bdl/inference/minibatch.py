@@ -6,6 +6,11 @@ VI training) is called with the model's own arguments, in which any
 that substitution, cycling through epochs, or makes one pass over the data
 (:class:`DataPass`), which for a model that subsamples with its own ``pyro.plate``
 enumerates that plate's indices (:class:`SubsamplePlate`).
+
+A plain ``DataLoader(TensorDataset(...))`` is iterated through
+:func:`pyro_bdl.data.tensor_loader.sliced`: the same batches from the same random draws,
+each taken by indexing the tensors instead of stacking its examples one by one (which,
+for a small model on in-memory data, costs more than the model's step).
 """
 
 from __future__ import annotations
@@ -18,13 +23,21 @@ import pyro
 import torch
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.util import site_is_subsample
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
+
+from pyro_bdl.data.tensor_loader import sliced
 
 __all__ = ["Minibatches", "DataPass", "SubsamplePlate"]
 
 
 class Minibatches:
     """The model arguments with each DataLoader replaced by one of its batches.
+
+    A loader is iterated again when it ends (a new epoch); a ``DistributedSampler``'s
+    epoch is then advanced (``set_epoch``), so that each epoch is shuffled afresh, the
+    same on every rank, as a :class:`~pyro_bdl.data.TensorLoader`'s is. A plain loader
+    over a ``TensorDataset`` gives its batches through
+    :func:`~pyro_bdl.data.tensor_loader.sliced` (the same batches, by index).
 
     Example::
 
@@ -39,8 +52,8 @@ class Minibatches:
         self.args = tuple(args)
         self.kwargs = dict(kwargs)
         self._loaders: dict[int | str, DataLoader] = {
-            **{i: a for i, a in enumerate(self.args) if isinstance(a, DataLoader)},
-            **{k: v for k, v in self.kwargs.items() if isinstance(v, DataLoader)},
+            **{i: sliced(a) for i, a in enumerate(self.args) if isinstance(a, DataLoader)},
+            **{k: sliced(v) for k, v in self.kwargs.items() if isinstance(v, DataLoader)},
         }
         for key, loader in self._loaders.items():
             if len(loader) == 0:
@@ -89,6 +102,7 @@ class Minibatches:
                 return next(iterator)
             except StopIteration:
                 self.epoch += 1
+                _advance_epoch(self._loaders[key])
         self._iterators[key] = iter(self._loaders[key])
         return next(self._iterators[key])
 
@@ -96,6 +110,13 @@ class Minibatches:
         args = tuple(batches.get(i, a) for i, a in enumerate(self.args))
         kwargs = {k: batches.get(k, v) for k, v in self.kwargs.items()}
         return args, kwargs
+
+
+def _advance_epoch(loader: DataLoader) -> None:
+    """Start a ``DistributedSampler``'s next epoch: left alone, it repeats one order."""
+    sampler = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    if isinstance(sampler, DistributedSampler):
+        sampler.set_epoch(sampler.epoch + 1)
 
 
 class SubsamplePlate(Messenger):
