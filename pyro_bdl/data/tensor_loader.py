@@ -7,8 +7,9 @@ of a 26-weight linear regression on 5,000 examples). Here every batch is taken f
 tensor in one indexing operation:
 
 - :class:`TensorLoader` is a :class:`~torch.utils.data.DataLoader` over tensors (a tuple,
-  a dict or one tensor) with its own seeded shuffling, reshuffled every pass, and
-  ``DistributedSampler``-style sharding across the ranks of a torchrun job;
+  a dict or one tensor), reshuffled every pass (from torch's global generator, or from
+  its own seed), with ``DistributedSampler``-style sharding across the ranks of a
+  torchrun job;
 - :func:`sliced` gives a plain ``DataLoader`` over a ``TensorDataset`` the same speed,
   batch for batch: :class:`~pyro_bdl.inference.Minibatches` applies it to every loader
   it is given, so the documented pattern is fast wherever a DataLoader is accepted.
@@ -37,6 +38,11 @@ __all__ = ["EpochBatches", "SlicedTensors", "TensorLoader", "sliced"]
 
 #: What a batch sampler of this module yields: a contiguous range, or indices.
 Index = slice | torch.Tensor
+
+_SEED_FOR_SHARDS = (
+    "seed: sharded and shuffled, every rank must draw the same order: give a seed (an int, "
+    "the same on every rank)"
+)
 
 
 class SlicedTensors(Dataset):
@@ -120,22 +126,25 @@ class EpochBatches(Sampler[Index]):
     """The batches of indices of one pass over ``num_data`` examples, a pass at a time.
 
     Each iteration is one pass (epoch): without ``shuffle`` the examples in order, in
-    contiguous slices; with it a fresh permutation per pass, drawn from a generator
-    seeded with ``(seed, epoch)`` (a NumPy ``SeedSequence`` of the two, so that loaders
-    of different seeds never share a pass), cut into batches. One batch that holds every
-    example is the slice of all of them even with ``shuffle``: the order within a batch
-    means nothing to a likelihood that sums over its examples, and permuting them would
-    copy the whole data set at every step (as long as the model's step, measured on
-    100,000 examples).
+    contiguous slices; with it a fresh permutation per pass, cut into batches. The
+    permutation is drawn from torch's global generator (``seed=None``, as a DataLoader
+    without a generator draws it: ``pyro.set_rng_seed`` fixes it, and each of
+    :class:`~pyro_bdl.inference.Chains`' chains, seeded apart, draws its own) or from a
+    generator seeded with ``(seed, epoch)`` (a NumPy ``SeedSequence`` of the two, so that
+    loaders of different seeds never share a pass), which never touches the global one.
+    One batch that holds every example is the slice of all of them even with ``shuffle``:
+    the order within a batch means nothing to a likelihood that sums over its examples,
+    and permuting them would copy the whole data set at every step (as long as the
+    model's step, measured on 100,000 examples).
 
-    Sharded over ``num_replicas`` ranks it is PyTorch's ``DistributedSampler``: every rank
-    draws the same permutation, pads it by repeating its first examples to a multiple of
-    ``num_replicas`` (or with ``drop_last`` cuts it to one) and keeps every
-    ``num_replicas``-th example from its ``rank`` on, so the ranks' shards are disjoint
-    and the ``k``-th batches of the W ranks together hold the examples of the ``k``-th
-    batch of W times the size in one process (where W divides ``num_data``). ``epoch``
-    counts the passes begun; :meth:`set_epoch` sets the next one, as
-    ``DistributedSampler.set_epoch`` does, and each pass advances it.
+    Sharded over ``num_replicas`` ranks (with a ``seed``) it is PyTorch's
+    ``DistributedSampler``: every rank draws the same permutation, pads it by repeating
+    its first examples to a multiple of ``num_replicas`` (or with ``drop_last`` cuts it to
+    one) and keeps every ``num_replicas``-th example from its ``rank`` on, so the ranks'
+    shards are disjoint and the ``k``-th batches of the W ranks together hold the
+    examples of the ``k``-th batch of W times the size in one process (where W divides
+    ``num_data``). ``epoch`` counts the passes begun; :meth:`set_epoch` sets the next one,
+    as ``DistributedSampler.set_epoch`` does, and each pass advances it.
 
     Example::
 
@@ -149,7 +158,7 @@ class EpochBatches(Sampler[Index]):
     :param bool drop_last: drop the last batch when it is smaller than ``batch_size``
         (and, sharded, the examples that would not give every rank an equal share)
         instead of keeping it (and padding).
-    :param int seed: seed of the permutations.
+    :param seed: seed of the permutations (an int), or None for the global generator.
     :param int num_replicas: ranks sharing the data (1: no sharding).
     :param int rank: this rank, ``0 <= rank < num_replicas``.
     :param device: where the index tensors are made (the data's device).
@@ -162,7 +171,7 @@ class EpochBatches(Sampler[Index]):
         *,
         shuffle: bool = False,
         drop_last: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
         num_replicas: int = 1,
         rank: int = 0,
         device: torch.device | str = "cpu",
@@ -171,8 +180,10 @@ class EpochBatches(Sampler[Index]):
         self.batch_size = integer("batch_size", batch_size, low=1)
         self.shuffle = instance("shuffle", shuffle, bool, "True or False")
         self.drop_last = instance("drop_last", drop_last, bool, "True or False")
-        self.seed = integer("seed", seed, low=0)
+        self.seed = None if seed is None else integer("seed", seed, low=0)
         self.num_replicas = integer("num_replicas", num_replicas, low=1)
+        if self.num_replicas > 1 and self.shuffle and self.seed is None:
+            raise ValueError(_SEED_FOR_SHARDS)
         self.rank = integer("rank", rank, low=0, high=self.num_replicas - 1)
         self.device = torch.device(device)
         self.epoch = 0
@@ -196,8 +207,8 @@ class EpochBatches(Sampler[Index]):
         return -(-self._shard_size // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass the pass ``epoch`` (its permutation is drawn from
-        ``(seed, epoch)``), as ``DistributedSampler.set_epoch``.
+        """Make the next pass the pass ``epoch`` (with a ``seed``, its permutation is drawn
+        from ``(seed, epoch)``), as ``DistributedSampler.set_epoch``.
 
         :param int epoch: the pass, ``>= 0``.
         """
@@ -223,7 +234,9 @@ class EpochBatches(Sampler[Index]):
 
     def _indices(self, epoch: int) -> torch.Tensor:
         """This rank's examples of pass ``epoch``, in drawn order, on the CPU."""
-        if self.shuffle:
+        if self.shuffle and self.seed is None:
+            order = torch.randperm(self.num_data)
+        elif self.shuffle:
             # The state of a SeedSequence of (seed, epoch): distinct for distinct pairs,
             # where DistributedSampler's seed + epoch gives seed 0's pass 1 to seed 1's pass 0.
             state = np.random.SeedSequence([self.seed, epoch]).generate_state(1, np.uint64)
@@ -250,12 +263,15 @@ class TensorLoader(DataLoader):
     the tensors' device (a GPU too) and, where a batch is a contiguous range (no
     ``shuffle``, or one batch of every example), views of them: nothing is copied.
 
-    Its passes (epochs) are those of :class:`EpochBatches`: reshuffled every pass from
-    its own generator, seeded by ``seed``, never the global one; one batch of every
+    Its passes (epochs) are those of :class:`EpochBatches`: reshuffled every pass, from
+    torch's global generator as a plain DataLoader's (so ``pyro.set_rng_seed`` fixes the
+    order, and each of :class:`~pyro_bdl.inference.Chains`' chains has its own), or with
+    ``seed`` from a generator of its own, seeded by ``(seed, pass)``, which never touches
+    the global one (as :func:`~pyro_bdl.data.make_loader`'s); one batch of every
     example is the data as given, unpermuted (a likelihood sums over it). The last batch
     is kept smaller or, with ``drop_last``, dropped. With ``shard=True``, under a
-    torchrun job, each rank takes a disjoint shard as with a ``DistributedSampler`` (same
-    seed on every rank, reshuffled every pass, :meth:`set_epoch` as its ``set_epoch``),
+    torchrun job, each rank takes a disjoint shard as with a ``DistributedSampler`` (a
+    ``seed``, the same on every rank; reshuffled every pass, :meth:`set_epoch` as its),
     for the data-parallel fits and kernels of :mod:`pyro_bdl.distributed`; leave it
     False for :class:`~pyro_bdl.inference.Chains`, whose chains each need all the data.
     Make the loader after :func:`pyro_bdl.distributed.init_process_group`.
@@ -277,7 +293,8 @@ class TensorLoader(DataLoader):
     :param int batch_size: examples per batch (per rank, sharded).
     :param bool shuffle: a new random order every pass.
     :param bool drop_last: drop a last batch smaller than ``batch_size``.
-    :param int seed: seed of the shuffling.
+    :param seed: seed of the shuffling (an int), or None to draw it from torch's global
+        generator (not with ``shard``).
     :param bool shard: give each rank of the torchrun job its own shard (a job of one
         process: all the data).
     """
@@ -289,11 +306,13 @@ class TensorLoader(DataLoader):
         shuffle: bool = False,
         *,
         drop_last: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
         shard: bool = False,
     ):
         dataset = SlicedTensors(data)
         instance("shard", shard, bool, "True or False")
+        if shard and shuffle and seed is None:  # here too in a job of one process
+            raise ValueError(_SEED_FOR_SHARDS)
         if shard and distributed.launched_world_size() > 1 and not distributed.is_distributed():
             raise RuntimeError(
                 f"shard=True in a job of WORLD_SIZE={distributed.launched_world_size()} "

@@ -36,7 +36,7 @@ def _data(num_data=10):
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_each_pass_is_a_fresh_shuffle_of_every_example(drop_last):
-    loader = TensorLoader(_data(10), batch_size=4, shuffle=True, drop_last=drop_last)
+    loader = TensorLoader(_data(10), batch_size=4, shuffle=True, drop_last=drop_last, seed=0)
     passes = [_ids(loader) for _ in range(3)]
     assert len(loader) == (2 if drop_last else 3)
     for batches in passes:
@@ -63,7 +63,15 @@ def test_one_batch_of_every_example_is_the_data_as_given_even_shuffled():
         assert batch[0].tolist() == list(range(6)) and batch[1].data_ptr() == x.data_ptr()
 
 
-def test_the_seed_fixes_every_pass_and_never_touches_the_global_generator():
+def test_without_a_seed_the_global_generator_draws_each_pass():
+    loader = TensorLoader(_data(12), batch_size=5, shuffle=True)
+    torch.manual_seed(1)
+    first = [_ids(loader) for _ in range(2)]
+    torch.manual_seed(1)
+    assert [_ids(loader) for _ in range(2)] == first and first[0] != first[1]
+
+
+def test_a_seed_fixes_every_pass_and_never_touches_the_global_generator():
     def run(seed):
         loader = TensorLoader(_data(12), batch_size=5, shuffle=True, seed=seed)
         return [_ids(loader) for _ in range(2)]
@@ -99,12 +107,12 @@ def test_batches_keep_the_structure_of_the_data(kind):
 
 def test_sharded_passes_split_each_epoch_like_a_distributed_sampler():
     # two ranks of 5 examples: padded to 6 by repeating the first drawn one
-    ranks = [EpochBatches(5, 2, shuffle=True, num_replicas=2, rank=r) for r in range(2)]
+    ranks = [EpochBatches(5, 2, shuffle=True, seed=0, num_replicas=2, rank=r) for r in range(2)]
     for _ in range(2):
         shards = [torch.cat(list(batches)).tolist() for batches in ranks]
         assert len(shards[0]) == len(shards[1]) == 3
         assert set(shards[0] + shards[1]) == set(range(5))
-    one = EpochBatches(5, 4, shuffle=True)
+    one = EpochBatches(5, 4, shuffle=True, seed=0)
     one.set_epoch(1)
     ranks[0].set_epoch(1), ranks[1].set_epoch(1)
     (first, _), together = list(one), [next(iter(b)) for b in ranks]
@@ -129,6 +137,8 @@ def test_bad_data_and_settings_are_named():
         TensorLoader(ids, batch_size=5, drop_last=True)
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         TensorLoader(ids, batch_size=0)
+    with pytest.raises(ValueError, match="give a seed"):
+        TensorLoader(ids, batch_size=2, shuffle=True, shard=True)
 
 
 def test_shard_in_a_launched_job_without_a_process_group_is_an_error(monkeypatch):
