@@ -24,7 +24,6 @@ import pyro.distributions as dist
 import torch
 from matplotlib.figure import Figure
 from pyro.infer import MCMC
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import SGHMC, SGLD
@@ -41,7 +40,7 @@ pyro.set_rng_seed(0)
 NUM_DATA, NOISE, PRIOR_SCALE = 500, 0.5, 1.0
 x = torch.randn(NUM_DATA, 2) @ torch.tensor([[1.0, 0.8], [0.0, 0.6]])
 y = 0.5 + x @ torch.tensor([1.0, -0.5]) + NOISE * torch.randn(NUM_DATA)
-loader = DataLoader(TensorDataset(x, y), batch_size=50, shuffle=True, drop_last=True)
+loader = bdl.data.TensorLoader((x, y), batch_size=50, shuffle=True, drop_last=True)
 
 
 # -- the model: an ordinary Pyro model; observe() scales the minibatch by N / B ---------

@@ -24,7 +24,6 @@ from pathlib import Path
 import pyro.distributions as dist
 import torch
 from pyro.infer.autoguide.initialization import init_to_sample
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import SGHMC, Chains
@@ -57,7 +56,7 @@ def main() -> None:
         bdl.distributed.device(),
     )
     generator = torch.Generator().manual_seed(0)
-    train = TensorDataset(*two_moons(512, generator))
+    train_x, train_y = two_moons(512, generator)
     test_x, test_y = two_moons(256, generator)
 
     torch.manual_seed(0)  # the same network on every rank
@@ -72,16 +71,17 @@ def main() -> None:
         return logits
 
     def accuracy(samples: dict) -> float:
-        probs = predict_proba(model, (test_x, None), len(train), samples=samples)
+        probs = predict_proba(model, (test_x, None), len(train_x), samples=samples)
         return float((probs.mean(0).argmax(-1).cpu() == test_y).float().mean())
 
-    loader = DataLoader(train, batch_size=64, shuffle=True)
+    # each chain's order comes from its seed, on whichever rank it runs
+    loader = bdl.data.TensorLoader((train_x, train_y), batch_size=64, shuffle=True)
     warmup, num_samples = (20, 10) if args.quick else (2000, 200)
 
     # Bayesian posterior: chain c on rank c mod W, its draws streamed to out/chains/chain_c.
     kernel = SGHMC(model, step_size=0.05, temperature=1.0, thin=2, checkpoint=args.out / "chains")
     chains = Chains(kernel, num_samples, warmup, num_chains=args.num_chains, seed=0)
-    chains.run(loader, len(train))
+    chains.run(loader, len(train_x))
     print(f"rank {rank} of {world} on {device}: holds chains {chains.chain_ids}")
     if rank == 0:
         samples = chains.get_samples()
@@ -107,7 +107,7 @@ def main() -> None:
         init_params=lambda chain: init_to_sample,
         seed=100,
     )
-    ensemble.run(loader, len(train))
+    ensemble.run(loader, len(train_x))
     if rank == 0:
         members = ensemble.get_samples()
         print(f"deep ensemble of {args.num_chains}: test accuracy {accuracy(members):.3f}")
