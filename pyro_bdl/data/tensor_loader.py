@@ -263,22 +263,24 @@ class TensorLoader(DataLoader):
     the tensors' device (a GPU too) and, where a batch is a contiguous range (no
     ``shuffle``, or one batch of every example), views of them: nothing is copied.
 
-    Its passes (epochs) are those of :class:`EpochBatches`: reshuffled every pass, from
-    torch's global generator as a plain DataLoader's (so ``pyro.set_rng_seed`` fixes the
-    order, and each of :class:`~pyro_bdl.inference.Chains`' chains has its own), or with
-    ``seed`` from a generator of its own, seeded by ``(seed, pass)``, which never touches
-    the global one (as :func:`~pyro_bdl.data.make_loader`'s); one batch of every
-    example is the data as given, unpermuted (a likelihood sums over it). The last batch
-    is kept smaller or, with ``drop_last``, dropped. With ``shard=True``, under a
-    torchrun job, each rank takes a disjoint shard as with a ``DistributedSampler`` (a
-    ``seed``, the same on every rank; reshuffled every pass, :meth:`set_epoch` as its),
-    for the data-parallel fits and kernels of :mod:`pyro_bdl.distributed`; leave it
-    False for :class:`~pyro_bdl.inference.Chains`, whose chains each need all the data.
-    Make the loader after :func:`pyro_bdl.distributed.init_process_group`.
+    Its passes (epochs) are those of :class:`~pyro_bdl.data.tensor_loader.EpochBatches`:
+    reshuffled every pass, from torch's global generator as a plain DataLoader's (so
+    ``pyro.set_rng_seed`` fixes the order, and each of :class:`~pyro_bdl.inference.Chains`'
+    chains has its own), or with ``seed`` from a generator of its own, seeded by
+    ``(seed, pass)``, which never touches the global one (as
+    :func:`~pyro_bdl.data.make_loader`'s); one batch of every example is the data as given,
+    unpermuted (a likelihood sums over it). The last batch is kept smaller or, with
+    ``drop_last``, dropped. With ``shard=True``, under a torchrun job, each rank takes a
+    disjoint shard as with a ``DistributedSampler`` (a ``seed``, the same on every rank;
+    reshuffled every pass, :meth:`set_epoch` as its), for the data-parallel fits and
+    kernels of :mod:`pyro_bdl.distributed`; leave it False for
+    :class:`~pyro_bdl.inference.Chains`, whose chains each need all the data. Make the
+    loader after :func:`pyro_bdl.distributed.init_process_group`.
 
     ``len(loader)`` is the batches per pass; ``loader.batch_sampler`` (an
-    :class:`EpochBatches`) holds ``batch_size``, ``drop_last`` and ``epoch``
-    (``loader.batch_size`` is None, as for any DataLoader given a batch sampler).
+    :class:`~pyro_bdl.data.tensor_loader.EpochBatches`) holds ``batch_size``,
+    ``drop_last`` and ``epoch`` (``loader.batch_size`` is None, as for any DataLoader
+    given a batch sampler).
 
     Example::
 
@@ -340,7 +342,8 @@ class TensorLoader(DataLoader):
             yield take(index)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass the pass ``epoch`` (see :meth:`EpochBatches.set_epoch`).
+        """Make the next pass the pass ``epoch``
+        (:meth:`~pyro_bdl.data.tensor_loader.EpochBatches.set_epoch`).
 
         :param int epoch: the pass, ``>= 0``.
         """
