@@ -223,6 +223,12 @@ def _sgld(model, loader):
     return mcmc.get_samples()
 
 
+def _arviz(model, loader):
+    samples = {"weight": torch.randn(4, 3, 3, dtype=torch.float64), "bias": torch.zeros(4, 3)}
+    tree = bdl.to_arviz(samples, model=model, model_args=(loader, NUM_DATA), log_likelihood=True)
+    return torch.as_tensor(tree["log_likelihood"]["y"].values)
+
+
 def _chains(model, loader):
     kernel = SGHMC(model, step_size=1e-3, adapt_step_size=False, adapt_mass_matrix=False)
     chains = Chains(kernel, num_samples=3, num_chains=2, seed=0, disable_progbar=True)
@@ -257,7 +263,9 @@ def _mean_field(model, loader):
 
 @pytest.mark.filterwarnings("ignore:.*R-hat", "ignore:.*hess_init")  # few steps: equality only
 @pytest.mark.parametrize(
-    "consumer", [_sgld, _chains, _laplace, _map, _ivon, _mean_field], ids=lambda f: f.__name__
+    "consumer",
+    [_sgld, _chains, _laplace, _map, _ivon, _mean_field, _arviz],
+    ids=lambda f: f.__name__,
 )
 def test_a_consumer_gives_with_a_tensor_loader_what_it_gives_with_a_dataloader(float64, consumer):
     # In order (no shuffle) both loaders give the same batches, so every result is equal;
