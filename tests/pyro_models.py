@@ -24,7 +24,8 @@ import torch
 from pyro import poutine
 from pyro.nn import PyroModule, PyroSample
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+
+from pyro_bdl.data import TensorLoader
 
 __all__ = ["PortedModel", "MODELS", "LAPLACE_MODELS"]
 
@@ -304,7 +305,7 @@ def _svi_torch(full_batch: bool):
     module = LinearRegression(size).to(torch.get_default_dtype())
     if full_batch:
         return module, (covariates, data), {}
-    loader = DataLoader(TensorDataset(covariates, data), batch_size=32)
+    loader = TensorLoader((covariates, data), batch_size=32)
 
     def model(batch):
         # svi_torch.py calls the model on each (covariates, data) minibatch in its loop

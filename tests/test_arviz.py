@@ -7,9 +7,9 @@ import torch
 import xarray as xr
 from pyro.infer import MCMC, SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import SGLD, Chains
 
 NUM_DATA = 30
@@ -93,7 +93,7 @@ def test_log_likelihood_is_pointwise_and_unscaled(run):
 
 def test_log_likelihood_over_a_data_loader_matches_the_full_batch(run):
     x, y, model, mcmc = run
-    loader = DataLoader(TensorDataset(x, y), batch_size=7)
+    loader = TensorLoader((x, y), batch_size=7)
     full = bdl.to_arviz(mcmc, model_args=(x, y), log_likelihood=True)
 
     def batched_model(batch, num_data):

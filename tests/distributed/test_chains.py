@@ -12,9 +12,9 @@ import xarray as xr
 from pyro.infer import MCMC
 from safetensors.torch import load_file, save_file
 from torch.multiprocessing import ProcessExitedException
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import SGHMC, Chains
 from pyro_bdl.inference.sgmcmc.checkpoint import DistributedChainsError
 from pyro_bdl.inference.sgmcmc.store import DrawStore
@@ -39,7 +39,7 @@ def _problem(calls=None):
         bdl.observe("y", dist.Normal(net(x).squeeze(-1), 0.5), y, num_data)
 
     # a shuffling loader: its order comes from the chain's seed, on whichever rank
-    loader = DataLoader(TensorDataset(x, y), batch_size=6, shuffle=True)
+    loader = TensorLoader((x, y), batch_size=6, shuffle=True)
     return model, loader, (x, y)
 
 

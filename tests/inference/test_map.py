@@ -2,9 +2,9 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import fit_map
 
 NUM_DATA = 64
@@ -71,7 +71,7 @@ def test_sites_named_after_the_guides_attributes_are_fitted():
 
 def test_minibatch_fit_lands_near_the_optimum():
     x, y, net, model = _regression()
-    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    loader = TensorLoader((x, y), batch_size=16, shuffle=True)
     pyro.set_rng_seed(0)
     # Adam on minibatches keeps fluctuating around the optimum by about its step size
     # (here decayed from 0.05 to 3e-5): its iterate freezes within 1e-2 of it.

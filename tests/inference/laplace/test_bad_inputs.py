@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide, fit_map
 
 
@@ -152,7 +153,7 @@ def classifier(helpers):
     net = bdl.lift(helpers.mlp(), prior=bdl.priors.IIDNormal(1.0))
     x, y = helpers.classification_data()
     guide = LaplaceGuide(helpers.classifier(net), curvature="diag_ggn")
-    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    loader = TensorLoader((x, y), batch_size=20)
     guide.fit(loader, len(x), map=False, mode_tolerance=None, progress=False)
     return guide, x
 
@@ -242,7 +243,7 @@ def test_fit_map(problem, options, error, message):
 def test_fit_map_stops_at_a_non_finite_loss(problem):
     x = problem.x.clone()
     x[3, 1] = float("nan")
-    loader = DataLoader(TensorDataset(x, problem.y), batch_size=problem.num_data)
+    loader = TensorLoader((x, problem.y), batch_size=problem.num_data)
     with pytest.raises(ValueError, match=r"loss is not finite at step 0.*NaN or inf"):
         fit_map(problem.model, loader, problem.num_data, num_steps=5, progress=False)
 

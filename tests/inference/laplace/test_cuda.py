@@ -4,9 +4,9 @@ import pyro
 import pytest
 import torch
 from pyro.infer import Predictive
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -18,7 +18,7 @@ def test_a_fit_on_the_gpu_stays_there(helpers, curvature):
     x, y = helpers.classification_data()
     x, y = x.cuda(), y.cuda()
     guide = LaplaceGuide(helpers.classifier(net), curvature=curvature)
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=20), len(x), num_steps=50, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=20), len(x), num_steps=50, progress=False)
     assert all(value.is_cuda for value in guide.median().values())
     assert all(value.is_cuda for value in guide.sample_posterior(3).values())
     assert guide.log_marginal_likelihood().is_cuda
@@ -34,7 +34,7 @@ def test_a_posterior_fitted_on_the_cpu_is_a_prior_on_the_gpu(helpers, curvature)
     net = bdl.lift(module, prior=bdl.priors.IIDNormal(0.5))
     x, y = helpers.classification_data()
     guide = LaplaceGuide(helpers.classifier(net), curvature=curvature)
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=20), len(x), map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=20), len(x), map=False, progress=False)
     prior = guide.as_prior()
     module.cuda()
     gpu = bdl.lift(module, prior=prior)
@@ -48,7 +48,7 @@ def test_draws_kept_on_the_cpu_do_not_grow_gpu_memory(helpers):
     net = bdl.lift(helpers.mlp().cuda(), prior=bdl.priors.IIDNormal(0.5))
     x, y = helpers.classification_data()
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
-    loader = DataLoader(TensorDataset(x.cuda(), y.cuda()), batch_size=20)
+    loader = TensorLoader((x.cuda(), y.cuda()), batch_size=20)
     guide.fit(loader, len(x), map=False, progress=False)
     guide.sample_posterior(1)  # the eigendecompositions, once
 

@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.metrics import nll
 
@@ -73,7 +74,7 @@ def test_marglik_tuning_follows_laplace_torch(helpers, structure, laplace_torch)
     # Both start at prior precision 1 and take the same 100 Adam steps on log delta.
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), 60, map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=16), 60, map=False, progress=False)
     tuned = guide.optimize_prior_precision("marglik", structure=structure, num_steps=100, lr=0.1)
     ours = torch.stack([tuned[site] for site in ("0.weight", "2.weight")])
     assert torch.allclose(ours, reference.prior_precision.expand(2), rtol=1e-4)
@@ -87,7 +88,7 @@ def test_marglik_finds_a_stationary_point_of_the_evidence(helpers):
     x, y = helpers.classification_data()
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
     guide = LaplaceGuide(helpers.classifier(net), curvature="diag_ggn")
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), 60, map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=16), 60, map=False, progress=False)
     before = guide.log_marginal_likelihood()
     tuned = guide.optimize_prior_precision("marglik", num_steps=300)
     best = guide.log_marginal_likelihood()
@@ -103,9 +104,9 @@ def test_gridsearch_picks_the_lowest_validation_nll(helpers):
     x_val, y_val = helpers.classification_data(num_data=30, seed=5)
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), 60, map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=16), 60, map=False, progress=False)
     grid = torch.logspace(-2, 2, 9)
-    val_loader = DataLoader(TensorDataset(x_val, y_val), batch_size=8)
+    val_loader = TensorLoader((x_val, y_val), batch_size=8)
     tuned = guide.optimize_prior_precision("gridsearch", val_loader, 60, grid=grid)
     scores = [
         nll(guide.predictive(val_loader, 60, link="probit", prior_precision=float(g)), y_val)

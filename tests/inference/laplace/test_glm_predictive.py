@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.inference.laplace.predictive import laplace_bridge, mc_probabilities, probit
 
@@ -54,13 +54,13 @@ def guide_and_data(helpers):
     x, y = helpers.classification_data()
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), 60, map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=16), 60, map=False, progress=False)
     return guide, x, y
 
 
 def test_per_draw_probabilities_and_loaders(guide_and_data):
     guide, x, y = guide_and_data
-    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    loader = TensorLoader((x, y), batch_size=16)
     draws = guide.predictive(
         loader, 60, num_samples=30, return_samples=True, generator=torch.Generator().manual_seed(3)
     )

@@ -9,9 +9,9 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import Predictive
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import KronLowRank, LaplaceGuide
 from pyro_bdl.predict import predict_proba
 
@@ -23,7 +23,7 @@ def fitted(helpers, curvature, temperature=1.0, bias=False):
     x, y = helpers.classification_data()
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(0.5))
     guide = LaplaceGuide(helpers.classifier(net), curvature=curvature, temperature=temperature)
-    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    loader = TensorLoader((x, y), batch_size=16)
     guide.fit(loader, len(x), map=False, progress=False)
     return guide, net, x, y
 
@@ -145,7 +145,7 @@ def test_map_is_fitted_by_default(helpers):
         return max(g.abs().max() for g in grads)
 
     guide = LaplaceGuide(model, curvature="diag_ggn")
-    loader = DataLoader(TensorDataset(x, y), batch_size=60)
+    loader = TensorLoader((x, y), batch_size=60)
     guide.fit(loader, 60, num_steps=100, optimizer=pyro.optim.Adam({"lr": 0.05}), progress=False)
     # The fitted values are near a stationary point of the log joint, the module's are not.
     assert largest_gradient(guide.median()) < 0.1 * largest_gradient(net.init_values())
@@ -193,7 +193,7 @@ def test_errors_name_the_argument_and_the_fix(helpers, linear_gaussian):
     net = bdl.lift(network, prior=Varying())
     with pytest.raises(ValueError, match="prior_precision=<float>"):
         LaplaceGuide(helpers.classifier(net), curvature="kron").fit(
-            DataLoader(TensorDataset(x, y), batch_size=20), 60, map=False, progress=False
+            TensorLoader((x, y), batch_size=20), 60, map=False, progress=False
         )
 
 

@@ -4,9 +4,9 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import BlockNormal, LaplaceGuide, fit_map
 
 
@@ -40,7 +40,7 @@ def test_round_trip_gives_the_exact_two_batch_posterior_mean(linear_gaussian):
     precision = x.T @ x / sigma**2 + alpha * torch.eye(first.dim)
     exact = torch.linalg.solve(precision, x.T @ y / sigma**2)
     largest = torch.linalg.eigvalsh(precision)[-1].item()
-    loader = DataLoader(TensorDataset(second.x, second.y), batch_size=second.num_data)
+    loader = TensorLoader((second.x, second.y), batch_size=second.num_data)
     optimizer = pyro.optim.SGD({"lr": 1.0 / largest, "momentum": 0.5})
     fitted = fit_map(
         model, loader, second.num_data, num_steps=2000, optimizer=optimizer, progress=False
@@ -54,7 +54,7 @@ def test_block_prior_has_the_gaussian_density(helpers, curvature):
     x, y = helpers.classification_data()
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
     guide = LaplaceGuide(helpers.classifier(net), curvature=curvature, temperature=0.5)
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=20), 60, map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=20), 60, map=False, progress=False)
     prior = guide.as_prior()
     param = network[2].weight
     distribution = prior.distribution("2.weight", param)
@@ -82,7 +82,7 @@ def test_a_diagonal_posterior_is_a_normal_prior_for_the_next_laplace(helpers):
     x, y = helpers.classification_data()
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
     model = helpers.classifier(net)
-    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    loader = TensorLoader((x, y), batch_size=20)
     first = LaplaceGuide(model, curvature="diag_ef").fit(loader, 60, map=False, progress=False)
     net.prior = first.as_prior()
     second = LaplaceGuide(model, curvature="diag_ef").fit(loader, 60, map=False, progress=False)

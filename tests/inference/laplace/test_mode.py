@@ -6,9 +6,9 @@ import warnings
 import pyro
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide, fit_map
 
 
@@ -72,7 +72,7 @@ def test_the_distance_is_the_newton_decrement(regression):
 def test_map_false_at_a_random_initialisation_warns_and_names_the_fix(helpers):
     net = bdl.lift(helpers.mlp(), prior=bdl.priors.IIDNormal(1.0))
     x, y = helpers.classification_data()
-    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    loader = TensorLoader((x, y), batch_size=20)
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
     with pytest.warns(UserWarning, match=r"map=False\) are not a MAP .* map=True, num_steps=0"):
         guide.fit(loader, len(x), map=False, progress=False)
@@ -88,7 +88,7 @@ def test_map_false_at_a_random_initialisation_warns_and_names_the_fix(helpers):
 def test_map_true_refines_a_checkpoint_to_the_mode(helpers):
     net = bdl.lift(helpers.mlp(), prior=bdl.priors.IIDNormal(1.0))
     x, y = helpers.classification_data()
-    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    loader = TensorLoader((x, y), batch_size=20)
     guide = LaplaceGuide(helpers.classifier(net), curvature="full")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -10,9 +10,9 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import Predictive
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide
 
 
@@ -20,7 +20,7 @@ def _fitted(helpers, curvature="kron"):
     net = bdl.lift(helpers.mlp(), prior=bdl.priors.IIDNormal(0.5))
     x, y = helpers.classification_data()
     guide = LaplaceGuide(helpers.classifier(net), curvature=curvature)
-    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    loader = TensorLoader((x, y), batch_size=20)
     guide.fit(loader, len(x), map=False, mode_tolerance=None, progress=False)
     return guide, net, x
 

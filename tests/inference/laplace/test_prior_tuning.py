@@ -4,9 +4,9 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.metrics import nll
 
@@ -36,7 +36,7 @@ class TwoBlocks:
         bdl.observe("y", dist.Normal(x1 @ w1 + x2 @ w2, self.sigma), y, num_data)
 
     def loader(self):
-        return DataLoader(TensorDataset(self.x1, self.x2, self.y), batch_size=50)
+        return TensorLoader((self.x1, self.x2, self.y), batch_size=50)
 
     def log_evidence(self, log_delta):
         delta1, delta2 = log_delta.exp()
@@ -105,9 +105,9 @@ def _fitted_classifier(helpers, prior_precision=None):
     x, y = helpers.classification_data()
     net = bdl.lift(helpers.mlp(bias=False), prior=bdl.priors.IIDNormal(1.0))
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron", prior_precision=prior_precision)
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), 60, map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=16), 60, map=False, progress=False)
     x_val, y_val = helpers.classification_data(num_data=30, seed=5)
-    return guide, DataLoader(TensorDataset(x_val, y_val), batch_size=8), y_val
+    return guide, TensorLoader((x_val, y_val), batch_size=8), y_val
 
 
 def test_gridsearch_scales_a_per_site_profile_to_the_best_validation_nll(helpers):

@@ -19,7 +19,7 @@ from transformers import (
 from transformers.utils import logging
 
 import pyro_bdl as bdl
-from pyro_bdl.data import ClassificationCollator, load, make_loader
+from pyro_bdl.data import ClassificationCollator, TensorLoader, load, make_loader
 from pyro_bdl.inference import (
     BLoBGuide,
     BLoBSVI,
@@ -102,7 +102,7 @@ def test_likelihood_step_is_adamw_on_m_and_b_only(make_lora_net, make_classifier
 def test_fit_blob_follows_the_kl_weights_and_the_warmup(make_lora_net, make_classifier, data):
     net, model, guide = _setup(make_lora_net, make_classifier, data)
     x, y = data
-    loader = torch.utils.data.DataLoader(list(zip(x, y)), batch_size=8)
+    loader = TensorLoader((x, y), batch_size=8)
 
     def batch_model(batch, num_data):
         return model(batch[0], batch[1], num_data)

@@ -11,6 +11,7 @@ import torch
 from pyro.infer import Predictive
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import IVONSVI, IVONGuide, fit_ivon
 from pyro_bdl.inference.vi.blob_svi import warmup_schedule
 from pyro_bdl.predict import predict_proba
@@ -133,8 +134,7 @@ def _conjugate_check():
         observed = yb[:, None].expand(-1, CHECK_REPLICAS)
         bdl.observe("y", dist.Normal(xb @ w.T, CHECK_NOISE).to_event(1), observed, num_data)
 
-    dataset = torch.utils.data.TensorDataset(x, y)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=CHECK_BATCH, shuffle=True)
+    loader = TensorLoader((x, y), batch_size=CHECK_BATCH, shuffle=True)
     precision = x.T @ x / CHECK_NOISE**2 + torch.eye(D, **F64)
     mean = torch.linalg.solve(precision, x.T @ y / CHECK_NOISE**2)
     return model, loader, mean, 1 / precision.diagonal()
@@ -310,9 +310,9 @@ def test_fit_ivon_on_a_dataloader_equals_ivon_opt():
     ours, theirs = _mlps()
     model = _classifier(bdl.lift(ours, bdl.priors.IIDNormal(PRIOR_SCALE)))
     x, y = _classes()
-    loader = torch.utils.data.DataLoader(list(zip(x, y)), batch_size=BATCH)
+    loader = TensorLoader((x, y), batch_size=BATCH)
 
-    def batch_model(batch, num_data):  # a DataLoader argument is one batch, here [x, y]
+    def batch_model(batch, num_data):  # a DataLoader argument is one batch, here (x, y)
         return model(*batch, num_data)
 
     guide = IVONGuide(batch_model, ess=ESS, hess_init=HESS_INIT)
@@ -662,8 +662,7 @@ def lora_task(make_lora_net, data):
 
     model.net = net
     x, y = data
-    rows = [{"x": xi, "y": yi} for xi, yi in zip(x, y)]
-    loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
+    loader = TensorLoader({"x": x, "y": y}, batch_size=4, shuffle=True)
     return net, model, loader, {"x": x, "y": y}
 
 

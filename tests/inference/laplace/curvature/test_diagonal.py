@@ -7,6 +7,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide
 
 
@@ -28,7 +29,7 @@ def test_matches_laplace_torch_on_an_mlp(curvature, backend, helpers, laplace_to
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(prior_precision**-0.5))
     guide = LaplaceGuide(helpers.classifier(net), curvature=curvature)
     # Our minibatches of 16 (the last one short) must sum to laplace-torch's full batch.
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), len(x), map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=16), len(x), map=False, progress=False)
 
     ours = torch.cat([block.curvature.flatten() for block in guide._blocks])
     assert torch.allclose(ours, reference.H, rtol=1e-4, atol=1e-10)

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import Kron, LaplaceGuide
 from pyro_bdl.inference.laplace.curvature.factors import (
     DenseFactor,
@@ -77,7 +77,7 @@ def test_a_fit_decomposes_nothing_until_asked(helpers):
     torch.linalg.eigh = recording("eigh", eigh)
     torch.linalg.eigvalsh = recording("eigvalsh", eigvalsh)
     try:
-        loader = DataLoader(TensorDataset(x, y), batch_size=20)
+        loader = TensorLoader((x, y), batch_size=20)
         # the curvature pass alone (the mode check needs P^-1 g, eigenvectors included)
         guide.fit(loader, len(x), map=False, progress=False, mode_tolerance=None)
         assert used == []
@@ -140,7 +140,7 @@ def test_factors_wider_than_max_dense_are_sketched(helpers, data_rank, exact):
     guides = {}
     for name, curvature in {"dense": Kron(), "sketched": Kron(max_dense=16, rank=4)}.items():
         guides[name] = LaplaceGuide(helpers.classifier(net), curvature=curvature)
-        loader = DataLoader(TensorDataset(x, y), batch_size=8)
+        loader = TensorLoader((x, y), batch_size=8)
         guides[name].fit(loader, len(x), map=False, progress=False)
     (block,) = guides["sketched"]._blocks
     assert block.input_factor.rank == 4 and block.complement == 3 * (30 - 4)
@@ -161,6 +161,6 @@ def test_default_kron_sketches_factors_wider_than_1024(helpers, width, dense):
     x, y = torch.randn(8, width, generator=generator), torch.randint(0, 2, (8,))
     net = bdl.lift(torch.nn.Sequential(torch.nn.Linear(width, 2, bias=False)))
     guide = LaplaceGuide(helpers.classifier(net), curvature=Kron())
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=4), 8, map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=4), 8, map=False, progress=False)
     held = guide.curvature.memory()["0.weight"] - 2 * 2  # less the 2 x 2 output factor
     assert held == (width * width if dense else 2 * width * (2 * 64 + 8))

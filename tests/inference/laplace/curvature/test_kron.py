@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.inference.laplace.curvature import DiagonalBlock, Kron, KronBlock
 from pyro_bdl.inference.laplace.jacobians import DenseGradient
@@ -32,7 +33,7 @@ def test_matches_laplace_torch_on_an_mlp(fisher, backend, helpers, laplace_torch
     reference.fit(DataLoader(TensorDataset(x, y), batch_size=len(x)))
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(3.0**-0.5))
     guide = LaplaceGuide(helpers.classifier(net), curvature=Kron(fisher=fisher))
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=20), len(x), map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=20), len(x), map=False, progress=False)
 
     assert all(isinstance(block, KronBlock) for block in guide._blocks)
     assert torch.allclose(
@@ -130,7 +131,7 @@ def test_biases_get_a_diagonal_ggn_block(helpers):
     network = helpers.mlp(bias=True)
     x, y = helpers.classification_data()
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
-    loader = DataLoader(TensorDataset(x, y), batch_size=16)
+    loader = TensorLoader((x, y), batch_size=16)
     kron = LaplaceGuide(helpers.classifier(net), curvature="kron").fit(
         loader, len(x), map=False, progress=False
     )
@@ -190,9 +191,7 @@ def test_the_fit_does_not_depend_on_the_batch_size(helpers):
     evidences = []
     for batch_size in (48, 16, 5):
         guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
-        guide.fit(
-            DataLoader(TensorDataset(x, y), batch_size=batch_size), 48, map=False, progress=False
-        )
+        guide.fit(TensorLoader((x, y), batch_size=batch_size), 48, map=False, progress=False)
         evidences.append(guide.log_marginal_likelihood())
     assert torch.allclose(torch.stack(evidences), evidences[0], rtol=1e-10)
 
@@ -216,7 +215,7 @@ def test_a_convolution_is_factored_as_laplace_torch_does(helpers, laplace_torch)
     reference.fit(DataLoader(TensorDataset(x, y), batch_size=30))
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(2.0**-0.5))
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=8), 30, map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=8), 30, map=False, progress=False)
     assert isinstance(guide._blocks[0], KronBlock) and guide._blocks[0].shape == (3, 2, 3, 3)
     assert torch.allclose(
         guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4
@@ -284,7 +283,7 @@ def test_layers_reading_one_input_share_one_input_factor(helpers, laplace_torch)
     heads = ["left.weight", "right.weight"]
     net = bdl.lift(_TwoHeads(), bdl.priors.IIDNormal(1.0), random=heads)
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
-    guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), len(x), map=False, progress=False)
+    guide.fit(TensorLoader((x, y), batch_size=16), len(x), map=False, progress=False)
     left, right = guide._blocks
     assert left.input_factor is right.input_factor  # one factor, decomposed once
     # the same posterior as two separately accumulated factors (laplace-torch's way)
@@ -330,7 +329,7 @@ def test_monte_carlo_fisher_converges_to_the_ggn(helpers):
     network = helpers.mlp(bias=False)
     x, y = helpers.classification_data()
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(1.0))
-    loader = DataLoader(TensorDataset(x, y), batch_size=20)
+    loader = TensorLoader((x, y), batch_size=20)
     fits = {}
     for name, curvature in [("ggn", "kron"), ("mc", Kron(fisher="mc", num_samples=400))]:
         torch.manual_seed(0)

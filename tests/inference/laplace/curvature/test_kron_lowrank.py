@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import Kron, KronLowRank, LaplaceGuide
 from pyro_bdl.inference.laplace.jacobians import DenseGradient
 
@@ -12,7 +12,7 @@ from pyro_bdl.inference.laplace.jacobians import DenseGradient
 def fit(helpers, network, curvature, x, y, batch_size=16):
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(0.5))
     guide = LaplaceGuide(helpers.classifier(net), curvature=curvature)
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
+    loader = TensorLoader((x, y), batch_size=batch_size)
     return guide.fit(loader, len(x), map=False, progress=False)
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pyro.infer import Predictive
-from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl as bdl
+from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import LaplaceGuide
 
 NUM_DATA, DIM, SIGMA, PRIOR_SCALE = 40, 3, 0.5, 0.7
@@ -105,7 +105,7 @@ def _site_values(flat, network):
 def test_curvature_on_scalar_and_vector_sites(data, curvature, network):
     x, y, features, precision, mean = data
     model = _model(network)
-    loader = DataLoader(TensorDataset(x, y), batch_size=10)
+    loader = TensorLoader((x, y), batch_size=10)
     guide = LaplaceGuide(model, curvature=curvature)
     guide.fit(loader, NUM_DATA, map=_site_values(mean, network), progress=False)
     expected = _expected_precision(curvature, network, features, y, mean, precision)
@@ -160,7 +160,7 @@ def test_the_exact_posterior_of_a_scalar_site_in_full(data):
     model = _model(matmul_and_scalar_bias)
     guide = LaplaceGuide(model, curvature="full")
     guide.fit(
-        DataLoader(TensorDataset(x, y), batch_size=10),
+        TensorLoader((x, y), batch_size=10),
         NUM_DATA,
         map=_site_values(mean, matmul_and_scalar_bias),
         progress=False,
