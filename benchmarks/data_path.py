@@ -17,12 +17,15 @@ and ``N``. The data paths:
 The routines: a step of SGLD and of SGHMC with a fixed step size (no warm-up adaptation:
 only the data path differs), as ``pyro.infer.MCMC`` calls them (``kernel.sample``); the
 curvature pass of :meth:`~pyro_bdl.inference.LaplaceGuide.fit` (what a fit with
-``map=False`` runs after its set-up), per batch; and a step of SVI with a
-:class:`~pyro_bdl.inference.MeanFieldGuide` (``TraceMeanField_ELBO``, Adam), the batch
-from ``Minibatches.next()``. Each figure is the median over ``--rounds`` rounds; a round
-runs the four paths of every routine and case one after the other, in a new random order
-every round, each for at least ``--seconds`` (a Laplace pass at least once), so a load
-on a shared machine hits every path alike. One thread.
+``map=False`` runs after its set-up), per batch (the ``direct`` pass is one batch, which
+alone carries the pass's fixed costs that a loader's ``N / B`` batches share); a step of
+SVI with a :class:`~pyro_bdl.inference.MeanFieldGuide` (``TraceMeanField_ELBO``, Adam),
+the batch from ``Minibatches.next()``; and, in a table of its own, ``Minibatches.next()``
+alone, the data path's own cost (in microseconds), which every step above starts with.
+Each figure is the median over ``--rounds`` rounds; a round runs the four paths of every
+routine and case one after the other, in a new random order every round, each for at
+least ``--seconds`` (a Laplace pass at least once), so a load on a shared machine hits
+every path alike. One thread.
 
 The target (issue 39): ``TensorLoader`` within 1.2 x the ``direct`` path at every ``B``.
 
@@ -52,7 +55,7 @@ from pyro_bdl.inference.minibatch import DataPass
 
 FEATURES = 26
 PATHS = ("collated", "plain", "TensorLoader", "direct")
-ROUTINES = ("SGLD", "SGHMC", "Laplace pass", "mean-field SVI")
+ROUTINES = ("next batch", "SGLD", "SGHMC", "Laplace pass", "mean-field SVI")
 TARGET = 1.2
 
 
@@ -121,6 +124,17 @@ def laplace_passes(guide: LaplaceGuide, model: Callable, data: object, num_data:
     return one_pass
 
 
+def next_batches(data: object, num_data: int) -> Callable:
+    """The data path alone: ``Minibatches.next()``, what every step above starts with."""
+    batches = Minibatches((data, num_data), {})
+
+    def step() -> int:
+        batches.next()
+        return 1
+
+    return step
+
+
 def svi_steps(svi: SVI, data: object, num_data: int) -> Callable:
     batches = Minibatches((data, num_data), {})
 
@@ -145,6 +159,7 @@ def case_runners(num_data: int, batch_size: int) -> dict[tuple[str, str], Callab
     svi = SVI(model, mean_field, pyro.optim.Adam({"lr": 1e-3}), TraceMeanField_ELBO())
     runners = {}
     for path, data in paths.items():
+        runners["next batch", path] = next_batches(data, num_data)
         runners["SGLD", path] = kernel_steps(SGLD, model, data, num_data)
         runners["SGHMC", path] = kernel_steps(SGHMC, model, data, num_data)
         runners["Laplace pass", path] = laplace_passes(laplace, model, data, num_data)
@@ -186,25 +201,36 @@ def main() -> None:
                 for path in order.sample(PATHS, len(PATHS)):
                     ms = per_step_ms(case_runs[routine, path], args.seconds, clock)
                     times.setdefault((*case, routine, path), []).append(ms)
-    print(
-        f"ms per step, median of {args.rounds} rounds ({args.clock} clock, 1 thread); "
-        "ratios to the direct path"
-    )
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    print(f"median of {args.rounds} rounds, {args.clock} clock, 1 thread\n")
+    print("Minibatches.next() alone, us per batch")
+    print("| N | B | " + " | ".join(PATHS) + " |")
+    print("|---|---|" + "---|" * len(PATHS))
+    for num_data, batch_size in cases:
+        cells = " | ".join(
+            f"{1e3 * medians[num_data, batch_size, 'next batch', p]:.3g}" for p in PATHS
+        )
+        print(f"| {num_data} | {_size(num_data, batch_size)} | {cells} |")
+    print("\nms per step; ratios to the direct path")
     print(
         "| routine | N | B | " + " | ".join(PATHS) + " | TensorLoader / direct | plain / direct |"
     )
     print("|---|---|---|" + "---|" * (len(PATHS) + 2))
     worst = 0.0
-    for routine in ROUTINES:
+    for routine in ROUTINES[1:]:
         for num_data, batch_size in cases:
-            ms = {p: statistics.median(times[num_data, batch_size, routine, p]) for p in PATHS}
+            ms = {p: medians[num_data, batch_size, routine, p] for p in PATHS}
             fast, plain = ms["TensorLoader"] / ms["direct"], ms["plain"] / ms["direct"]
             worst = max(worst, fast)
             cells = " | ".join(f"{ms[p]:.3g}" for p in PATHS)
-            b = "N" if batch_size == num_data else batch_size
-            print(f"| {routine} | {num_data} | {b} | {cells} | {fast:.2f} | {plain:.2f} |")
+            size = _size(num_data, batch_size)
+            print(f"| {routine} | {num_data} | {size} | {cells} | {fast:.2f} | {plain:.2f} |")
     verdict = "met" if worst <= TARGET else "missed"
     print(f"\nworst TensorLoader / direct: {worst:.2f} (target <= {TARGET}: {verdict})")
+
+
+def _size(num_data: int, batch_size: int) -> str:
+    return "N" if batch_size == num_data else str(batch_size)
 
 
 if __name__ == "__main__":

@@ -5,58 +5,44 @@ chain with B / 2 per rank equal one process with a shuffled TensorLoader of batc
 import os
 
 import pyro
-import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import MCMC
 from safetensors.torch import load_file, save_file
 
-import pyro_bdl as bdl
 from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import SGHMC, fit_map
 
 from .launch import run_ranks
+from .test_data_parallel import BATCH, NUM_DATA, _problem
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*R-hat")  # a few draws: equality only
 
-NUM_DATA, BATCH = 32, 8  # the global batch: 4 per rank, 4 batches per pass
+# NUM_DATA = 32 and the global batch BATCH = 8 of test_data_parallel: 4 per rank, 4 per pass
 STEPS = 6  # into the second pass
 
 
-def _problem():
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(NUM_DATA, 3, generator=generator, dtype=torch.float64)
-    y = torch.randint(0, 3, (NUM_DATA,), generator=generator)
-    torch.manual_seed(0)
-    net = bdl.lift(torch.nn.Linear(3, 3).double(), bdl.priors.IIDNormal(1.0))
-
-    def model(batch, num_data):
-        _, x, y = batch
-        bdl.observe("y", dist.Categorical(logits=net(x)), y, num_data)
-
-    return model, (torch.arange(NUM_DATA), x, y)
+def _shards(data, world: int) -> TensorLoader:
+    return TensorLoader(data, batch_size=BATCH // world, shuffle=True, seed=7, shard=True)
 
 
 def _run(world: int) -> dict[str, torch.Tensor]:
     """Two passes of this rank's example ids, a MAP fit and an SGHMC chain."""
     results = {}
-    _, data = _problem()
-    loader = TensorLoader(data, batch_size=BATCH // world, shuffle=True, seed=7, shard=True)
+    loader = _shards(torch.arange(NUM_DATA), world)
     for epoch in range(2):
-        results[f"pass{epoch}"] = torch.cat([ids for ids, _, _ in loader])
+        results[f"pass{epoch}"] = torch.cat(list(loader))
     loader.set_epoch(1)
-    results["pass1.again"] = torch.cat([ids for ids, _, _ in loader])
-    model, data = _problem()
-    loader = TensorLoader(data, batch_size=BATCH // world, shuffle=True, seed=7, shard=True)
-    optimizer = pyro.optim.Adam({"lr": 0.05})
+    results["pass1.again"] = torch.cat(list(loader))
+    model, dataset = _problem()
+    loader, optimizer = _shards(dataset.tensors, world), pyro.optim.Adam({"lr": 0.05})
     fitted = fit_map(model, loader, NUM_DATA, num_steps=STEPS, optimizer=optimizer, progress=False)
     results.update({f"map.{name}": value for name, value in fitted.items()})
-    model, data = _problem()
-    loader = TensorLoader(data, batch_size=BATCH // world, shuffle=True, seed=7, shard=True)
+    model, dataset = _problem()
     pyro.set_rng_seed(3)
     kernel = SGHMC(model, step_size=1e-2, adapt_step_size=False, adapt_mass_matrix=False)
     mcmc = MCMC(kernel, num_samples=STEPS, disable_progbar=True)
-    mcmc.run(loader, NUM_DATA)
+    mcmc.run(_shards(dataset.tensors, world), NUM_DATA)
     results.update({f"sghmc.{name}": value for name, value in mcmc.get_samples().items()})
     return {key: value.detach().contiguous() for key, value in results.items()}
 

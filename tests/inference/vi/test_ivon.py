@@ -662,7 +662,8 @@ def lora_task(make_lora_net, data):
 
     model.net = net
     x, y = data
-    loader = TensorLoader({"x": x, "y": y}, batch_size=4, shuffle=True)
+    rows = [{"x": xi, "y": yi} for xi, yi in zip(x, y)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
     return net, model, loader, {"x": x, "y": y}
 
 
