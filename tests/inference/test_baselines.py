@@ -11,7 +11,6 @@ from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertForSequenceClassification
 
 import pyro_bdl as bdl
-from pyro_bdl.data import TensorLoader
 from pyro_bdl.inference import BLoBGuide, baselines, fit_blob
 from pyro_bdl.predict import predict_proba
 
@@ -56,8 +55,9 @@ def task():
     input_ids = torch.randint(8, 40, (NUM_DATA, 6), generator=generator)
     labels = torch.randint(0, 2, (NUM_DATA,), generator=generator)
     input_ids[labels == 1, 2] = 7
+    data = [{"input_ids": i, "labels": y} for i, y in zip(input_ids, labels)]
+    loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True, generator=generator)
     everything = {"input_ids": input_ids, "labels": labels}
-    loader = TensorLoader(everything, batch_size=BATCH, shuffle=True, seed=0)
     return net, model, loader, everything
 
 
