@@ -120,8 +120,8 @@ def control_tolerances(control: dict, reference: dict) -> tuple[dict, dict]:
 
 
 def load_control() -> dict:
-    """``control.json``: posterior name -> :func:`run_nuts`'s result."""
-    return json.loads(CONTROL.read_text())
+    """``control.json``: posterior name -> :func:`run_nuts`'s result (empty before any run)."""
+    return json.loads(CONTROL.read_text()) if CONTROL.exists() else {}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,9 +54,7 @@ __all__ = [
 ]
 
 
-def linear_regression(
-    data, num_data, *, beta_scale: float, sigma_prior: dist.Distribution
-) -> None:
+def linear_regression(data, num_data, *, beta_scale: float, sigma_prior: dist.Distribution) -> None:
     r"""``y ~ normal(X * beta, sigma)``: the kidiq, kidiq_with_mom_work, earnings, mesquite,
     nes and sblr programs, whose design matrix ``X`` (a column of ones first, then Stan's
     transformed data) differs.
@@ -310,7 +308,9 @@ def hmm_drive(data, num_data, *, transition_prior, emission_sd=None) -> None:
         emission = dist.Exponential(rates)
     else:
         emission = dist.Normal(rates, u.new_tensor(emission_sd))
-    _forward_algorithm("uv", torch.stack(theta).log(), emission.to_event(1), torch.stack([u, v], -1))
+    _forward_algorithm(
+        "uv", torch.stack(theta).log(), emission.to_event(1), torch.stack([u, v], -1)
+    )
 
 
 class Ordered(dist.TorchDistribution):
@@ -337,7 +337,7 @@ class Ordered(dist.TorchDistribution):
     def log_prob(self, value):
         return self.prior.log_prob(value).sum(-1)
 
-    def sample(self, sample_shape=torch.Size()):
+    def sample(self, sample_shape=()):
         value = self.prior.sample(sample_shape)
         if self._support is constraints.positive_ordered_vector:
             value = value.abs()
