@@ -51,7 +51,7 @@ CONTROL = Path(__file__).resolve().parent / "control.json"
 #: Standard errors a control estimate may be off by, where that is below the issue's bar.
 CONTROL_Z = 4.0
 #: NUTS's settings, the same for every posterior.
-SETTINGS = {"warmup_steps": 500, "num_samples": 1000, "seed": 0, "full_mass": True}
+SETTINGS = {"warmup_steps": 300, "num_samples": 600, "seed": 0, "full_mass": True}
 
 
 class CountingNUTS(NUTS):

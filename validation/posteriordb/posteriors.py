@@ -86,18 +86,29 @@ def _columns(*columns) -> torch.Tensor:
     return torch.stack([torch.ones_like(columns[0]), *columns], -1)
 
 
-def _regression(design: Callable[[dict], tuple], beta_scale: float, sigma) -> Callable:
-    """``make`` of a linear regression; ``sigma`` a scale (a flat Stan prior, here a wide
-    HalfNormal) or the Stan prior's distribution."""
-    sigma_prior = dist.HalfNormal(sigma) if isinstance(sigma, (int, float)) else sigma
+def _regression(
+    name: str, data_name: str, design: Callable, beta: float, sigma, flat_beta: bool = True
+) -> Posterior:
+    """A linear regression (:func:`~validation.posteriordb.models.linear_regression`) with
+    design ``design(raw) -> (X, y)``.
+
+    :param float beta: the scale of beta's normal prior: a wide one that replaces Stan's
+        flat prior, unless ``flat_beta`` is False (Stan's own prior).
+    :param sigma: a scale (Stan's prior is flat: a wide HalfNormal) or Stan's prior.
+    """
+    flat_sigma = isinstance(sigma, float)
+    sigma_prior = dist.HalfNormal(sigma) if flat_sigma else sigma
+    wide = {"beta": beta} if flat_beta else {}
+    if flat_sigma:
+        wide["sigma"] = sigma
 
     def make(raw):
         model = functools.partial(
-            models.linear_regression, beta_scale=beta_scale, sigma_prior=sigma_prior
+            models.linear_regression, beta_scale=beta, sigma_prior=sigma_prior
         )
         return model, design(raw)
 
-    return make
+    return Posterior(name, data_name, make, exchangeable=True, wide_priors=wide)
 
 
 def _tensors(raw: dict, *names) -> list[torch.Tensor]:
@@ -238,7 +249,6 @@ def _hmm_drive(raw, normal: bool):
 
 
 def _registry() -> dict[str, Posterior]:
-    half_cauchy = dist.HalfCauchy(2.5)
     posteriors = [
         Posterior("eight_schools-eight_schools_noncentered", "eight_schools", _eight_schools),
         Posterior("arK-arK", "arK", _arK),
@@ -266,40 +276,23 @@ def _registry() -> dict[str, Posterior]:
             True,
             wide_priors={"sigma": 1e3},
         ),
-        Posterior("sblrc-blr", "sblrc", _regression(_blr, 10.0, 10.0), True),
-        Posterior("sblri-blr", "sblri", _regression(_blr, 10.0, 10.0), True),
+        _regression("sblrc-blr", "sblrc", _blr, 10.0, dist.HalfNormal(10.0), flat_beta=False),
+        _regression("sblri-blr", "sblri", _blr, 10.0, dist.HalfNormal(10.0), flat_beta=False),
     ]
     for terms in ("momhs", "momiq", "momhsiq", "interaction"):
         design = functools.partial(_kidiq, terms=terms)
         posteriors.append(
-            Posterior(
-                f"kidiq-kidscore_{terms}",
-                "kidiq",
-                _regression(design, 1e4, half_cauchy),
-                True,
-                wide_priors={"beta": 1e4},
-            )
+            _regression(f"kidiq-kidscore_{terms}", "kidiq", design, 1e4, dist.HalfCauchy(2.5))
         )
-    for terms in ("c", "c2", "z"):
-        design = functools.partial(_kidiq, terms=terms)
+    designs = {
+        f"interaction_{terms}": functools.partial(_kidiq, terms=terms) for terms in ("c", "c2", "z")
+    }
+    for name, design in {**designs, "mom_work": _mom_work}.items():
         posteriors.append(
-            Posterior(
-                f"kidiq_with_mom_work-kidscore_interaction_{terms}",
-                "kidiq_with_mom_work",
-                _regression(design, 1e4, 1e4),
-                True,
-                wide_priors={"beta": 1e4, "sigma": 1e4},
+            _regression(
+                f"kidiq_with_mom_work-kidscore_{name}", "kidiq_with_mom_work", design, 1e4, 1e4
             )
         )
-    posteriors.append(
-        Posterior(
-            "kidiq_with_mom_work-kidscore_mom_work",
-            "kidiq_with_mom_work",
-            _regression(_mom_work, 1e4, 1e4),
-            True,
-            wide_priors={"beta": 1e4, "sigma": 1e4},
-        )
-    )
     earnings = {
         "earn_height": ("earn", "height", 1e7, 1e7),
         "log10earn_height": ("log10", "height", 1e3, 1e2),
@@ -311,15 +304,7 @@ def _registry() -> dict[str, Posterior]:
     }
     for name, (response, terms, beta, sigma) in earnings.items():
         design = functools.partial(_earnings, response=response, terms=terms)
-        posteriors.append(
-            Posterior(
-                f"earnings-{name}",
-                "earnings",
-                _regression(design, beta, sigma),
-                True,
-                wide_priors={"beta": beta, "sigma": sigma},
-            )
-        )
+        posteriors.append(_regression(f"earnings-{name}", "earnings", design, beta, sigma))
     mesquite = {
         "mesquite": ("raw", 1e5, 1e5),
         "logmesquite": ("log", 1e3, 1e2),
@@ -330,25 +315,9 @@ def _registry() -> dict[str, Posterior]:
     }
     for name, (terms, beta, sigma) in mesquite.items():
         design = functools.partial(_mesquite, terms=terms)
-        posteriors.append(
-            Posterior(
-                f"mesquite-{name}",
-                "mesquite",
-                _regression(design, beta, sigma),
-                True,
-                wide_priors={"beta": beta, "sigma": sigma},
-            )
-        )
+        posteriors.append(_regression(f"mesquite-{name}", "mesquite", design, beta, sigma))
     for year in range(1972, 2001, 4):
-        posteriors.append(
-            Posterior(
-                f"nes{year}-nes",
-                f"nes{year}",
-                _regression(_nes, 1e3, 1e3),
-                True,
-                wide_priors={"beta": 1e3, "sigma": 1e3},
-            )
-        )
+        posteriors.append(_regression(f"nes{year}-nes", f"nes{year}", _nes, 1e3, 1e3))
     return {posterior.name: posterior for posterior in posteriors}
 
 

@@ -19,7 +19,6 @@ from pyro_bdl.diagnostics import ess_bulk
 __all__ = [
     "MEAN_TOLERANCE",
     "SD_TOLERANCE",
-    "Agreement",
     "agreement",
     "summarise",
 ]
@@ -48,20 +47,18 @@ def summarise(draws: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
     return summary
 
 
-class Agreement(dict):
-    """How far a summary is from the reference: ``worst_mean`` (the largest
-    ``|mean - reference mean|`` in reference sds), ``worst_mean_at`` (its parameter),
-    ``sd_ratio`` (the smallest and largest ``sd / reference sd``), ``worst_sd_at``, and
-    ``right`` (within the tolerances given)."""
-
-
 def agreement(
     summary: dict[str, dict[str, float]],
     reference: dict[str, dict[str, float]],
     mean_tolerance: float | dict[str, float] = MEAN_TOLERANCE,
     sd_tolerance: float | dict[str, float] = SD_TOLERANCE,
-) -> Agreement:
+) -> dict:
     """Compare a run's summary with the reference's, parameter by parameter.
+
+    :return: ``worst_mean`` (the largest ``|mean - reference mean|`` in reference sds) and
+        ``worst_mean_at`` (its parameter), ``sd_ratio`` (the smallest and largest ``sd /
+        reference sd``), ``worst_sd_at`` (the parameter whose ratio is furthest from 1),
+        ``right`` (all within the tolerances).
 
     :param dict summary: the run's, from :func:`summarise`.
     :param dict reference: the reference's, with the same parameters.
@@ -73,7 +70,7 @@ def agreement(
     if missing:
         raise ValueError(f"summary: no draws of the reference parameters {missing}")
     worst_mean, worst_sd, ratios, right = -1.0, -1.0, [], True
-    result = Agreement()
+    result = {}
     for name, ref in reference.items():
         ours = summary[name]
         distance = abs(ours["mean"] - ref["mean"]) / ref["sd"]
