@@ -8,9 +8,10 @@ Static counts (read with ``ast`` from the package's source):
 * **private accesses**: ``guide._<name>`` outside ``guide.py`` (anywhere in ``pyro_bdl``)
   where ``<name>`` is a private member of a fitted :class:`~pyro_bdl.inference.LaplaceGuide`
   (its instance attributes and its class's own methods): how often, and how many names;
-* **methods**: those ``LaplaceGuide`` defines, and those that only pass a call on (their
+* **methods**: those ``LaplaceGuide`` defines, those that only pass a call on (their
   body, less the docstring and ``self._check_fitted()``-style guards, is one call of a
-  function of another module, the assignments feeding it and ``return self``).
+  function of another module, the assignments feeding it and ``return self``), and those
+  that hand the guide itself (``self``) to a function of another module.
 
 The walk (run, traced with ``sys.setprofile``): ``lora_model`` on a tiny Llama,
 ``LaplaceGuide(...).fit(loader, N, map=False)`` and ``guide.predictive(batch, N)``. A
@@ -96,7 +97,7 @@ def static_counts() -> dict:
                 accesses[node.attr] = accesses.get(node.attr, 0) + 1
                 name = str(path.relative_to(PACKAGE))
                 by_module[name] = by_module.get(name, 0) + 1
-    methods, forwarders = _methods()
+    methods, forwarders, handing = _methods()
     private_written = sorted(name for name in written if name.startswith("_"))
     return {
         "private attributes written outside guide.py": len(private_written),
@@ -112,10 +113,12 @@ def static_counts() -> dict:
         "LaplaceGuide methods": len(methods),
         "methods that only pass a call on": len(forwarders),
         "those methods": forwarders,
+        "methods that hand the guide to another module": len(handing),
+        "the methods handing it": handing,
     }
 
 
-def _methods() -> tuple[list[str], list[str]]:
+def _methods() -> tuple[list[str], list[str], list[str]]:
     tree = ast.parse(GUIDE.read_text())
     imported = set()
     for node in tree.body:
@@ -124,7 +127,17 @@ def _methods() -> tuple[list[str], list[str]]:
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LaplaceGuide")
     methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
     forwarders = [_label(method) for method in methods if _only_passes_on(method, imported)]
-    return [_label(method) for method in methods], forwarders
+    handing = [_label(method) for method in methods if _hands_self(method, imported)]
+    return [_label(method) for method in methods], forwarders, handing
+
+
+def _hands_self(method: ast.FunctionDef, imported: set[str]) -> bool:
+    """Whether the method calls a function of another module with ``self`` as an argument."""
+    return any(
+        _foreign_call(node, imported)
+        and any(isinstance(arg, ast.Name) and arg.id == "self" for arg in node.args)
+        for node in ast.walk(method)
+    )
 
 
 def _label(method: ast.FunctionDef) -> str:
@@ -150,7 +163,11 @@ def _foreign_call(node: ast.AST, imported: set[str]) -> bool:
     func = node.func
     if isinstance(func, ast.Name):
         return func.id in imported
-    return isinstance(func.value, ast.Name) and func.value.id in imported
+    return (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Name)
+        and func.value.id in imported
+    )
 
 
 def _only_passes_on(method: ast.FunctionDef, imported: set[str]) -> bool:

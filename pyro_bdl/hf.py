@@ -587,7 +587,7 @@ class LaplaceCallback(TrainerCallback):
             model, self.task, label_token_ids=self.label_token_ids, prior_scale=self.prior_scale
         )
         num_data = self.num_data or len(train_dataloader.dataset)
-        validation = self._validation(train_dataloader, kwargs.get("eval_dataloader"))
+        validation = self._validation(args, train_dataloader, kwargs.get("eval_dataloader"))
         training = model.training
         model.eval()
         try:
@@ -607,12 +607,14 @@ class LaplaceCallback(TrainerCallback):
             persistence.save(guide, Path(args.output_dir) / self.directory)
         self.guide = guide
 
-    def _validation(self, train_dataloader, eval_dataloader):
+    def _validation(self, args, train_dataloader, eval_dataloader):
+        """The validation batches: ``val_dataset`` in batches of the Trainer's evaluation
+        size, else the Trainer's eval dataloader (None before it has evaluated)."""
         if self.val_dataset is None:
             return eval_dataloader
         return torch.utils.data.DataLoader(
             self.val_dataset,
-            batch_size=train_dataloader.batch_size or 1,
+            batch_size=args.per_device_eval_batch_size,
             collate_fn=train_dataloader.collate_fn,
         )
 

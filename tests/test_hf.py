@@ -257,7 +257,10 @@ def test_laplace_callback_is_fit_laplace_lora_on_the_trainers_checkpoint(validat
 
     pyro.clear_param_store()
     lora = lora_model(cases.bert_base(), adapter=tmp_path / "finetuned")
-    loader = torch.utils.data.DataLoader(val, batch_size=4, collate_fn=default_data_collator)
+    # the callback's validation batches: the Trainer's evaluation size (the MC link's draws
+    # are taken batch by batch, so its NLL depends on the batches)
+    size = trainer.args.per_device_eval_batch_size
+    loader = torch.utils.data.DataLoader(val, batch_size=size, collate_fn=default_data_collator)
     guide, link, scores = fit_laplace_lora(
         lora.model,
         _loader("bert"),

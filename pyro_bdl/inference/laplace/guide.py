@@ -278,9 +278,8 @@ class LaplaceGuide(GuideState, AutoGuide):
     def _problem(self, args: tuple, kwargs: dict) -> LaplaceProblem:
         """What :meth:`fit` approximates, set up on the arguments of one batch."""
         self._setup_prototype(*args, **kwargs)
-        model = self._laplace_model[0]
         return LaplaceProblem(
-            model=model,
+            model=self._laplace_model[0],
             sites=self.sites,
             prior=read_priors(
                 self.sites, self.model, args, kwargs, self.curvature, self._prior_precision_arg
