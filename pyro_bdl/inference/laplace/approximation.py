@@ -130,6 +130,10 @@ class LaplaceFit:
         """This fit with another default link."""
         return dataclasses.replace(self, link=link)
 
+    def with_temperature(self, temperature: float) -> LaplaceFit:
+        r"""This fit tempered at :math:`T` instead: :math:`\Sigma = T P^{-1}`."""
+        return dataclasses.replace(self, temperature=temperature)
+
     def resolve(self, value: PriorPrecision) -> dict[str, torch.Tensor]:
         r""":math:`\delta` per site: this fit's, or with the Normal sites' set to ``value``
         (checked)."""

@@ -177,8 +177,15 @@ class LaplaceGuide(GuideState, AutoGuide):
 
     @property
     def temperature(self) -> float:
-        """:math:`T`, as given to the constructor (the fit's is ``laplace_fit.temperature``)."""
+        """:math:`T`; setting it tempers the fitted posterior too, :math:`\\Sigma = T P^{-1}`
+        (the curvature is not refitted)."""
         return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._temperature = real("temperature", value, positive=True)
+        if self._fit is not None:
+            self._adopt(self._fit.with_temperature(self._temperature))
 
     @property
     def link(self) -> str:

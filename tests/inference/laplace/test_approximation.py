@@ -81,3 +81,16 @@ def test_the_link_and_prior_precision_belong_to_the_fit(fitted, helpers):
             read()
     with pytest.raises(RuntimeError, match="fit"):
         unfitted.link = "probit"
+
+
+def test_a_new_temperature_tempers_the_fitted_posterior(fitted):
+    # the cold-posterior experiment fits once and reads the posterior at several T
+    guide, _ = fitted
+    before = guide.laplace_fit
+    variance = guide.variance()
+    guide.temperature = 0.25
+    assert guide.laplace_fit.temperature == 0.25 and before.temperature == 1.0
+    for name, value in guide.variance().items():
+        torch.testing.assert_close(value, 0.25 * variance[name], rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match="temperature"):
+        guide.temperature = 0.0
