@@ -689,9 +689,9 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def _version() -> str:
-    import pyro_bdl
+    from pyro_bdl._version import __version__
 
-    return pyro_bdl.__version__
+    return __version__
 
 
 def _cuda_devices() -> list[int]:
