@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 import pyro
 import torch
@@ -70,18 +70,15 @@ Sites = pyro.poutine.Trace | Iterable[dict]
 class SiteShapeError(ValueError):
     """A site's log density does not have the shape its plates give it.
 
-    :ivar str site: the site's name.
+    :ivar str site: the site's name (None where Pyro's trace re-raised the error, which
+        keeps the message only).
     :ivar tuple log_prob_shape: the shape its log density has.
-    :ivar tuple value_shape: the shape of its value.
-    :ivar tuple batch_shape: its distribution's batch shape.
     """
 
-    def __init__(self, message: str, site: str, log_prob_shape, value_shape, batch_shape):
+    def __init__(self, message: str, site: str | None = None, log_prob_shape=()):
         super().__init__(message)
         self.site = site
         self.log_prob_shape = tuple(log_prob_shape)
-        self.value_shape = tuple(value_shape)
-        self.batch_shape = tuple(batch_shape)
 
 
 class ObservedLookingLatentWarning(UserWarning):
@@ -106,9 +103,7 @@ def check_model(sites: Sites, args: tuple, kwargs: dict, caller: str) -> None:
 
 def max_plate_nesting(sites: Sites) -> int:
     """How many plates deep the sites go (Pyro's guess of ``max_plate_nesting``)."""
-    return max(
-        (-frame.dim for site in _sample_sites(sites) for frame in _plates(site)), default=0
-    )
+    return max((-frame.dim for site in _sample_sites(sites) for frame in _plates(site)), default=0)
 
 
 def check_site_shapes(sites: Sites, caller: str) -> None:
@@ -190,29 +185,48 @@ def warn_observed_looking(sites: Sites, args: tuple, kwargs: dict, caller: str) 
 
 
 def check_model_guide(
-    model_trace: pyro.poutine.Trace, guide_trace: pyro.poutine.Trace, caller: str
+    model_trace: pyro.poutine.Trace,
+    guide_trace: pyro.poutine.Trace,
+    caller: str,
+    observed: Collection[str] | None = None,
 ) -> None:
-    """Pyro's ``check_model_guide_match`` of a model traced on a guide's draw, with the
-    model's :func:`max_plate_nesting`, and :func:`check_site_shapes` of the model.
+    """Check a model traced on a guide's draw: :func:`check_site_shapes`, Pyro's
+    ``check_model_guide_match`` (with the model's :func:`max_plate_nesting`), and the latent
+    sites of the model that the guide does not sample.
 
-    A latent site of the model that the guide does not sample is drawn from its prior at
-    every draw: Pyro warns about it, and so does this (naming the caller).
+    Such a site is drawn from its prior at every draw. A prediction leaves the observation
+    unobserved, so it is a latent site the guide does not sample by design: the sites
+    ``observed`` names (those a :class:`CheckedPrototype` guide saw observed when it set
+    up) and those of :func:`~pyro_bdl.observe` are not reported. With ``observed=None`` (a
+    guide that does not say) none is.
 
+    :param str caller: the method, named in the messages.
+    :param observed: the names of the sites the guide's model observed when it was fitted.
     :raises SiteShapeError: a site of the model whose log density does not fit its plates.
     :raises ValueError: a site whose model and guide shapes disagree (Pyro's message).
     """
     check_site_shapes(model_trace, caller)
-    nesting = max_plate_nesting(model_trace)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        check_model_guide_match(model_trace, guide_trace, nesting)
-    for warning in caught:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its warning about unmatched sites: said below
+        check_model_guide_match(model_trace, guide_trace, max_plate_nesting(model_trace))
+    if observed is None:
+        return
+    sampled = {name for name, site in guide_trace.nodes.items() if site["type"] == "sample"}
+    missing = [
+        site["name"]
+        for site in _sample_sites(model_trace)
+        if not site["is_observed"]
+        and site["name"] not in sampled
+        and site["name"] not in observed
+        and NUM_DATA_KEY not in site["infer"]
+    ]
+    if missing:
         warnings.warn(
-            f"{caller}: {warning.message}; a site of the model that the guide does not "
-            "sample is drawn from its prior at every draw: predict with the guide fitted to "
-            "this model",
+            f"{caller}: the guide does not sample the model's latent site(s) {missing}, so "
+            "they are drawn from their priors at every draw: predict with the guide fitted "
+            "to this model",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -227,6 +241,7 @@ class CheckedPrototype:
     reads the observed sites too overrides :meth:`_read_observed`.
 
     :ivar int max_plate_nesting: how many plates deep the model's sites go (after set-up).
+    :ivar frozenset observed_sites: the names of the sites the model observed (after set-up).
     """
 
     #: Whether the set-up checks the model (False where another guide of the same fit
@@ -236,6 +251,7 @@ class CheckedPrototype:
     _checked_by: str | None = None
     _observed_messages: list[dict] | None = None
     max_plate_nesting: int | None = None
+    observed_sites: frozenset[str] = frozenset()
 
     def _setup_prototype(self, *args, **kwargs) -> None:
         with self._checked_run(args, kwargs):
@@ -249,6 +265,7 @@ class CheckedPrototype:
             yield
             sites = [*self.prototype_trace.nodes.values(), *self._observed_messages]
             self.max_plate_nesting = max_plate_nesting(sites)
+            self.observed_sites = frozenset(msg["name"] for msg in self._observed_messages)
             if self._checks_model:
                 check_model(sites, args, kwargs, self._checked_by or type(self).__name__)
             self._read_observed(self._observed_messages)
@@ -303,7 +320,7 @@ def _shape_error(caller: str, site: dict, shape, value_batch, pyro_says: str) ->
     name, fn, value = site["name"], site["fn"], site["value"]
     kind = "observed" if site["is_observed"] else "latent"
     plates = ", ".join(f"{f.name!r} of size {f.size} at dim {f.dim}" for f in _plates(site))
-    where = f"its plates ({plates}) give it {_plates_shape(site)}" if plates else "it is in no plate"
+    where = f"its plates ({plates}) give it {_plates_shape(site)}" if plates else "no plate"
     if shape not in (value_batch, fn.batch_shape):
         cause = (
             f"its value of shape {tuple(value.shape)} and its distribution's batch shape "
@@ -322,7 +339,7 @@ def _shape_error(caller: str, site: dict, shape, value_batch, pyro_says: str) ->
     )
     if pyro_says and shape in (value_batch, fn.batch_shape):  # else the grid says it all
         message += f"\n(Pyro's check_site_shape: {' '.join(pyro_says.split())})"
-    return SiteShapeError(message, name, shape, value.shape, fn.batch_shape)
+    return SiteShapeError(message, name, shape)
 
 
 def _fix(site: dict, value_batch) -> str:
@@ -362,7 +379,13 @@ def _tensors(*items: tuple[str, object], depth: int = 3) -> Iterator[tuple[str, 
     for where, value in items:
         if torch.is_tensor(value):
             yield where, value
-        elif depth and isinstance(value, Mapping):
-            yield from _tensors(*((f"{where}[{k!r}]", v) for k, v in value.items()), depth=depth - 1)
-        elif depth and isinstance(value, (tuple, list)):
-            yield from _tensors(*((f"{where}[{i}]", v) for i, v in enumerate(value)), depth=depth - 1)
+            continue
+        if not depth:
+            continue
+        if isinstance(value, Mapping):
+            inner = [(f"{where}[{key!r}]", entry) for key, entry in value.items()]
+        elif isinstance(value, (tuple, list)):
+            inner = [(f"{where}[{i}]", entry) for i, entry in enumerate(value)]
+        else:
+            continue
+        yield from _tensors(*inner, depth=depth - 1)
