@@ -238,7 +238,7 @@ class CheckedPrototype:
     messages as the run passes them (through ``_prototype_hide_fn``), checks them with the
     latent sites once the run is over, records the model's :func:`max_plate_nesting`, and
     drops them (an observed site's distribution may hold a batch of logits). A guide that
-    reads the observed sites too overrides :meth:`_read_observed`.
+    reads the observed sites too overrides ``_read_observed(observed)``.
 
     :ivar int max_plate_nesting: how many plates deep the model's sites go (after set-up).
     :ivar frozenset observed_sites: the names of the sites the model observed (after set-up).
