@@ -260,14 +260,14 @@ def cnn_lstm(rounds, num_batches):
 def factor_memory(minilm_guides):
     print("\nK-FAC factors kept per LoRA layer (numbers), kron vs kron_lowrank (rank 16):")
     for kind in ("lora_A", "lora_B"):
-        site = next(s for s in minilm_guides["kron"]._loc if kind in s)
+        site = next(s for s in minilm_guides["kron"].laplace_fit.loc if kind in s)
         sizes = {
             name: guide.curvature.memory()[site]
             for name, guide in minilm_guides.items()
             if name.startswith("kron")
         }
         print(
-            f"  MiniLM {kind} {tuple(minilm_guides['kron']._loc[site].shape)}: "
+            f"  MiniLM {kind} {tuple(minilm_guides['kron'].laplace_fit.loc[site].shape)}: "
             + ", ".join(f"{name} {size:,}" for name, size in sizes.items())
         )
     torch.manual_seed(0)

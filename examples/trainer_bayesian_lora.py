@@ -7,7 +7,8 @@ SST-2 with ``transformers.Trainer`` and peft, then the same script with one line
 - ``IVONTrainer`` for ``Trainer``: IVON on the LoRA weights and the head (its own
   learning rate, IVON's scale);
 - ``callbacks=[LaplaceCallback("kron")]``: Laplace-LoRA at the fine-tuned adapters, its
-  prior precision chosen on the validation sentences.
+  prior precision by the evidence and its predictive's link chosen on the validation
+  sentences.
 
 Each trains on the same sentences with the same TrainingArguments, evaluates on held-out
 training sentences (the validation set) and predicts the SST-2 dev set, which is only

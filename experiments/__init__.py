@@ -24,7 +24,7 @@ from experiments.runner import Experiment, markdown_table, mean_sd
 
 # The pyro-bdl command's argument types and one-line errors, so that both commands
 # refuse bad arguments alike.
-from pyro_bdl.cli import _directory, _output, _Parser, _report, _seed
+from pyro_bdl.cli import Parser, data_directory, output_directory, report_to_stderr, seed
 
 __all__ = ["EXPERIMENTS", "Experiment", "run_experiment", "main", "markdown_table", "mean_sd"]
 
@@ -78,7 +78,7 @@ def main(
         prog = "python -m " + (EXPERIMENTS[name] if name else "experiments")
     parser = _parser(prog, name)
     args = parser.parse_args(argv)
-    _report(args, ("pyro_bdl", "experiments"))
+    report_to_stderr(args, ("pyro_bdl", "experiments"))
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"argument --seeds: each seed once, got {args.seeds}")
     options = vars(args)
@@ -90,10 +90,10 @@ def main(
         sys.exit(f"{prog}: error: {error}")
 
 
-def _parser(prog: str, name: str | None) -> _Parser:
+def _parser(prog: str, name: str | None) -> Parser:
     from pyro_bdl.data import DATASETS
 
-    parser = _Parser(
+    parser = Parser(
         prog=prog,
         description="Run one of the papers' experiments at laptop scale (or the papers' on a GPU)",
         more_help=lambda: _methods_help(name),
@@ -106,11 +106,11 @@ def _parser(prog: str, name: str | None) -> _Parser:
     if name is None:
         parser.add_argument("name", choices=sorted(EXPERIMENTS), help="the experiment")
     parser.add_argument(
-        "--data-dir", type=_directory, required=True, help="folder holding the datasets"
+        "--data-dir", type=data_directory, required=True, help="folder holding the datasets"
     )
-    parser.add_argument("--out", type=_output, required=True, help="output directory")
+    parser.add_argument("--out", type=output_directory, required=True, help="output directory")
     parser.add_argument("--quick", action="store_true", help="CI-sized run (< 2 minutes)")
-    parser.add_argument("--seeds", type=_seed, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=seed, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--datasets",
         nargs="+",

@@ -67,8 +67,8 @@ fine-tuned adapters and head).
 
 Run::
 
-    pyro-bdl experiment calibration --data-dir ../shared/data --out results/calibration
-    pyro-bdl experiment calibration --data-dir ../shared/data --out results/paper --device cuda
+    python -m experiments calibration --data-dir ../shared/data --out results/calibration
+    python -m experiments calibration --data-dir ../shared/data --out results/paper --device cuda
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ ICML 2020.
 
 Example::
 
-    pyro-bdl experiment cold-posterior --data-dir ../shared/data --out results/cold --quick
+    python -m experiments cold-posterior --data-dir ../shared/data --out results/cold --quick
 
 :func:`run` writes ``results.json`` and ``cold_posterior.png`` into the output directory
 and prints the tables of test NLL and accuracy against temperature.

@@ -62,7 +62,7 @@ and Appendix E.
 
 Example::
 
-    pyro-bdl experiment continual --data-dir ../shared/data --out results/continual --quick
+    python -m experiments continual --data-dir ../shared/data --out results/continual --quick
 
 :func:`run` writes ``results.json``, ``continual.png`` and ``continual_average.png`` into
 the output directory and prints the tables.

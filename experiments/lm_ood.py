@@ -74,8 +74,8 @@ Outputs in ``--out``: ``results.json``, ``lm_ood.md`` (the table), ``lm_ood_hist
 
 Run::
 
-    pyro-bdl experiment lm-ood --data-dir ../shared/data --out results/lm_ood
-    pyro-bdl experiment lm-ood --data-dir ../shared/data --out results/lm_ood_gpu \
+    python -m experiments lm-ood --data-dir ../shared/data --out results/lm_ood
+    python -m experiments lm-ood --data-dir ../shared/data --out results/lm_ood_gpu \
         --device cuda --model path/to/Meta-Llama-3-8B
 """
 

@@ -40,7 +40,7 @@ and BLoB), ``cells/`` and ``checkpoints/``.
 
 Run::
 
-    pyro-bdl experiment ood --data-dir ../shared/data --out results/ood
+    python -m experiments ood --data-dir ../shared/data --out results/ood
 """
 
 from __future__ import annotations

@@ -7,11 +7,10 @@ Example::
 """
 
 from pyro_bdl import data, diagnostics, metrics, priors
+from pyro_bdl._version import __version__
 from pyro_bdl.lift import LiftedModule, init_to_module, lift
 from pyro_bdl.likelihoods import observe
 from pyro_bdl.persistence import load, save
-
-__version__ = "0.1.0"
 
 __all__ = [
     "lift",
@@ -36,10 +35,14 @@ def __getattr__(name: str):
     # pyro_bdl.models imports transformers and peft (seconds), pyro_bdl.lm imports them when
     # called, to_arviz imports ArviZ, xarray and matplotlib (together about half of
     # `import pyro`).
-    if name in ("models", "lm"):
-        import importlib
+    if name == "models":
+        import pyro_bdl.models as models
 
-        return importlib.import_module(f"pyro_bdl.{name}")
+        return models
+    if name == "lm":
+        import pyro_bdl.lm as lm
+
+        return lm
     if name == "to_arviz":
         from pyro_bdl.arviz import to_arviz
 

@@ -29,9 +29,9 @@ import xarray as xr
 from pyro.infer import MCMC
 from pyro.poutine.util import site_is_subsample
 
-import pyro_bdl
 from pyro_bdl._checks import function, instance, integer
 from pyro_bdl._draws import kept_draws
+from pyro_bdl._version import __version__
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.chains import Chains
 from pyro_bdl.inference.sgmcmc.checkpoint import read_state
@@ -160,7 +160,7 @@ def _tree(groups: Mapping[str, xr.Dataset], attrs: Mapping) -> xr.DataTree:
             {
                 **attrs,
                 "inference_library": "pyro_bdl",
-                "inference_library_version": pyro_bdl.__version__,
+                "inference_library_version": __version__,
             }
         )
     )

@@ -8,9 +8,13 @@ directory, an ``--out`` that is a file, a negative seed, and a demo that lacks w
 found later ends with one line and status 1.
 
 The experiments are not part of the installed package: ``pyro-bdl experiment ...`` hands
-its arguments to the repository's top-level ``experiments`` package (``python -m
-experiments ...``, which checks them the same way) when it is importable or in the current
-directory, and otherwise says how to run them.
+its arguments to the command registered under that name in the ``pyro_bdl.commands``
+entry-point group (the repository registers its top-level ``experiments`` package, ``python
+-m experiments ...``, which checks them the same way) when it can be loaded, and otherwise
+says how to run them. The command never imports a package it does not ship. The argument
+types and the one-line errors (:class:`Parser`, :func:`seed`, :func:`data_directory`,
+:func:`output_directory`, :func:`report_to_stderr`) are public, for such commands to
+refuse bad arguments alike.
 
 What the library reports goes through the ``pyro_bdl`` logger, which the command writes to
 stderr at INFO (``-q``: warnings and errors only; ``-v``: DEBUG too).
@@ -22,12 +26,24 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = [
+    "main",
+    "COMMANDS",
+    "Parser",
+    "seed",
+    "data_directory",
+    "output_directory",
+    "report_to_stderr",
+]
+
+#: The entry-point group of the commands ``pyro-bdl NAME`` hands its arguments to.
+COMMANDS = "pyro_bdl.commands"
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse with a one-line error (argparse prints the whole usage first), and help
     that ends with ``more_help()``, computed only when help is asked for."""
 
@@ -43,7 +59,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _seed(text: str) -> int:
+def seed(text: str) -> int:
+    """An argparse type: a seed, an int >= 0."""
     try:
         seed = int(text)
     except ValueError:
@@ -53,7 +70,8 @@ def _seed(text: str) -> int:
     return seed
 
 
-def _directory(text: str) -> Path:
+def data_directory(text: str) -> Path:
+    """An argparse type: an existing directory (of datasets)."""
     path = Path(text)
     if not path.is_dir():
         raise argparse.ArgumentTypeError(
@@ -63,17 +81,18 @@ def _directory(text: str) -> Path:
     return path
 
 
-def _output(text: str) -> Path:
+def output_directory(text: str) -> Path:
+    """An argparse type: an output directory (it may not exist yet; it is not a file)."""
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; --out must be a directory")
     return path
 
 
-def _parser() -> _Parser:
+def _parser() -> Parser:
     from pyro_bdl import __version__
 
-    parser = _Parser(prog="pyro-bdl", description="Bayesian deep learning in Pyro")
+    parser = Parser(prog="pyro-bdl", description="Bayesian deep learning in Pyro")
     parser.add_argument("--version", action="version", version=f"pyro-bdl {__version__}")
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument(
@@ -84,12 +103,14 @@ def _parser() -> _Parser:
         dest="command", required=True, metavar="command", help="demo or experiment"
     )
     demo = commands.add_parser("demo", help="Bayesian MLP on the digits data with SGMCMC and MAP")
-    demo.add_argument("--out", type=_output, default="results/demo", help="output directory")
-    demo.add_argument("--seed", type=_seed, default=0)
+    demo.add_argument(
+        "--out", type=output_directory, default="results/demo", help="output directory"
+    )
+    demo.add_argument("--seed", type=seed, default=0)
     demo.add_argument("--quick", action="store_true", help="small, CI-sized run")
     demo.add_argument(
         "--data-dir",
-        type=_directory,
+        type=data_directory,
         help="folder with sst2/ for the LoRA language-model part (default: the copy in "
         "~/.cache/pyro_bdl, fetched there once if the Hugging Face Hub answers)",
     )
@@ -109,7 +130,7 @@ def _parser() -> _Parser:
     return parser
 
 
-def _report(args: argparse.Namespace, names: Sequence[str] = ("pyro_bdl",)) -> None:
+def report_to_stderr(args: argparse.Namespace, names: Sequence[str] = ("pyro_bdl",)) -> None:
     """The records of the loggers ``names`` at the level ``args.quiet`` / ``args.verbose``
     ask for (INFO by default) and above, one line each on stderr, and only there (a
     handler that an imported library put on the root logger would repeat them)."""
@@ -125,23 +146,16 @@ def _report(args: argparse.Namespace, names: Sequence[str] = ("pyro_bdl",)) -> N
             logger.addHandler(handler)
 
 
-def _experiments():
-    """The repository's ``experiments`` package: importable, or in the current directory
-    (a checkout's root: the installed command's ``sys.path`` does not hold it)."""
-    try:
-        import experiments
-    except ImportError:
-        experiments = None
-    if not hasattr(experiments, "EXPERIMENTS") and (Path.cwd() / "experiments").is_dir():
-        sys.path.insert(0, str(Path.cwd()))
-        sys.modules.pop("experiments", None)  # e.g. tests/experiments, a namespace package
+def _command(name: str) -> Callable | None:
+    """The ``main(argv, prog=...)`` registered as ``pyro-bdl NAME`` (the entry point ``NAME``
+    of the group :data:`COMMANDS`), or None when none is installed or it does not load
+    (the repository's experiments from outside a checkout's root)."""
+    for point in entry_points(group=COMMANDS, name=name):
         try:
-            import experiments
+            return point.load()
         except ImportError:
-            experiments = None
-    if not hasattr(experiments, "EXPERIMENTS"):
-        return None
-    return experiments
+            return None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -149,22 +163,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "experiment":
-        experiments = _experiments()
-        if experiments is None:
+        command = _command("experiment")
+        if command is None:
             parser.error(
                 "the experiments are not part of the installed package: run them from the "
                 "root of a checkout of the repository (python -m experiments NAME ..., or "
                 "make experiment NAME=...; docs/experiments.md)"
             )
         flags = ["-q"] * args.quiet + ["-v"] * args.verbose
-        experiments.main([*flags, *rest], prog="pyro-bdl experiment")
+        command([*flags, *rest], prog="pyro-bdl experiment")
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    _report(args)
-    from pyro_bdl.demo import DemoSetupError, run_demo
-
+    report_to_stderr(args)
     try:
+        from pyro_bdl.demo import run_demo
+    except ModuleNotFoundError as error:
+        if (error.name or "pyro_bdl").partition(".")[0] == "pyro_bdl":
+            raise
+        # a package of the demo extra (scikit-learn's digits, ...): say which extra
+        sys.exit(f"pyro-bdl: error: the demo needs {error.name}: pip install 'pyro-bdl[demo]'")
+    try:
+        from pyro_bdl.demo import DemoSetupError
+
         run_demo(
             args.out,
             seed=args.seed,

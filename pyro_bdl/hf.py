@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from pyro_bdl import _checks, persistence
-from pyro_bdl.inference.laplace import LaplaceGuide
+from pyro_bdl.inference.laplace import LaplaceGuide, fit_laplace_lora
 from pyro_bdl.inference.laplace.curvature import make_curvature
+from pyro_bdl.inference.laplace.predictive import LINKS
 from pyro_bdl.inference.vi import IVONSVI, BLoBGuide, BLoBSVI, IVONGuide
 from pyro_bdl.inference.vi.ivon_svi import BETA2_MAX, _default_beta2, _warn_if_hess_init_remains
 from pyro_bdl.models.heads import IGNORE_INDEX, NextToken
@@ -514,14 +516,17 @@ class LaplaceCallback(TrainerCallback):
     r"""Laplace-LoRA at the end of a Trainer's run, saved beside its output.
 
     At ``on_train_end`` the trained adapters (and a ``modules_to_save`` head) of the
-    Trainer's peft model get a Laplace approximation at their values (Yang et al., 2024):
-    the curvature (``curvature``, K-FAC by default) over the Trainer's training dataloader
-    (each process its shard under ``torchrun``), the prior precision tuned by a grid search
-    on validation data when there is any (``val_dataset``, else the Trainer's eval
-    dataloader once it has evaluated) or else by the evidence, and the posterior saved with
-    :func:`pyro_bdl.save` to ``<output_dir>/posterior``: a peft adapter directory too,
-    holding the fine-tuned adapters. The fit runs with dropout off; the model's mode is
-    restored afterwards. ``callback.guide`` is the :class:`~pyro_bdl.inference.LaplaceGuide`.
+    Trainer's peft model get Laplace-LoRA's post-hoc approximation at their values
+    (Yang et al., 2024), by :func:`~pyro_bdl.inference.fit_laplace_lora`, the one recipe:
+    the curvature (``curvature``, K-FAC by default) over the Trainer's training
+    dataloader (each process its shard under ``torchrun``), the prior precision of every
+    weight tensor by the evidence, and the linearised predictive's link chosen on
+    validation data when there is any (``val_dataset``, else the Trainer's eval
+    dataloader once it has evaluated), else Laplace-LoRA's ``"mc"``. The posterior is
+    saved with :func:`pyro_bdl.save` to ``<output_dir>/posterior``: a peft adapter
+    directory too, holding the fine-tuned adapters. The fit runs with dropout off; the
+    model's mode is restored afterwards. ``callback.guide`` is the
+    :class:`~pyro_bdl.inference.LaplaceGuide`.
 
     Example::
 
@@ -533,9 +538,10 @@ class LaplaceCallback(TrainerCallback):
 
     :param str curvature: the Laplace structure (see :class:`~pyro_bdl.inference.LaplaceGuide`).
     :param float prior_scale: :math:`\sigma_p` of the prior the tuning starts from.
-    :param val_dataset: validation examples for the grid search (the Trainer's collator
-        batches them).
-    :param grid: the candidate factors of the prior precision (default: the guide's).
+    :param val_dataset: validation examples on which the link is chosen (the Trainer's
+        collator batches them).
+    :param grid: deprecated and ignored: the prior precision is tuned by the evidence, as
+        in Laplace-LoRA, which needs no validation data (it was a grid search on them).
     :param int num_steps: Adam steps of the evidence's tuning.
     :param str directory: the posterior's directory inside ``output_dir``.
     :param int num_data: :math:`N` (default: the training dataloader's dataset's length).
@@ -557,10 +563,18 @@ class LaplaceCallback(TrainerCallback):
         label_token_ids: list[int] | None = None,
     ):
         make_curvature(curvature)  # a name it does not know is an error now, not at the end
+        if grid is not None:
+            warnings.warn(
+                "LaplaceCallback(grid=...) is deprecated and ignored (it goes in the next "
+                "release): the prior precision is tuned by the evidence on the training data, "
+                "as Laplace-LoRA does, and validation data choose the predictive's link; "
+                "drop grid=",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.curvature = curvature
         self.prior_scale = _checks.real("prior_scale", prior_scale, positive=True)
         self.val_dataset = val_dataset
-        self.grid = grid
         self.num_steps = _checks.integer("num_steps", num_steps, low=1)
         self.directory = _checks.instance("directory", directory, (str, os.PathLike), "a path")
         self.num_data = None if num_data is None else _checks.integer("num_data", num_data, low=1)
@@ -573,34 +587,34 @@ class LaplaceCallback(TrainerCallback):
             model, self.task, label_token_ids=self.label_token_ids, prior_scale=self.prior_scale
         )
         num_data = self.num_data or len(train_dataloader.dataset)
-        validation = self._validation(train_dataloader, kwargs.get("eval_dataloader"))
-        guide = LaplaceGuide(lora.model, curvature=self.curvature)
+        validation = self._validation(args, train_dataloader, kwargs.get("eval_dataloader"))
         training = model.training
         model.eval()
         try:
-            guide.fit(
+            guide, _, _ = fit_laplace_lora(
+                lora.model,
                 train_dataloader,
                 num_data,
-                map=False,
-                mode_tolerance=None,
+                validation,
+                curvature=self.curvature,
+                num_steps=self.num_steps,
+                links=LINKS if validation is not None else ("mc",),
                 progress=not args.disable_tqdm and state.is_local_process_zero,
             )
-            if validation is None:
-                guide.optimize_prior_precision("marglik", num_steps=self.num_steps)
-            else:
-                guide.optimize_prior_precision("gridsearch", validation, num_data, grid=self.grid)
         finally:
             model.train(training)
         if state.is_world_process_zero:
             persistence.save(guide, Path(args.output_dir) / self.directory)
         self.guide = guide
 
-    def _validation(self, train_dataloader, eval_dataloader):
+    def _validation(self, args, train_dataloader, eval_dataloader):
+        """The validation batches: ``val_dataset`` in batches of the Trainer's evaluation
+        size, else the Trainer's eval dataloader (None before it has evaluated)."""
         if self.val_dataset is None:
             return eval_dataloader
         return torch.utils.data.DataLoader(
             self.val_dataset,
-            batch_size=train_dataloader.batch_size or 1,
+            batch_size=args.per_device_eval_batch_size,
             collate_fn=train_dataloader.collate_fn,
         )
 

@@ -51,8 +51,9 @@ from it (the sites' shapes, BLoB's flipout hooks, where its weights live) and ch
 latent sites against the saved ones (:class:`SiteMismatchError` lists those that differ,
 with both shapes; :class:`SupportMismatchError` those of the same shape whose support or
 prior family differs, such as ``sigma ~ Uniform(0, 10)`` where ``HalfNormal`` was fitted,
-whose saved unconstrained values would mean other numbers). The run needs the model's arguments; the manifest keeps their shapes
-and dtypes (never their values), and the run uses zeros of those shapes, as the
+whose saved unconstrained values would mean other numbers). The run needs the model's
+arguments; the manifest keeps their shapes and dtypes (never their values), and the run
+uses zeros of those shapes, as the
 ``dummy_inputs`` of ``transformers`` do. A model that cannot run on them (saving checks)
 needs ``model_args`` at load.
 """
@@ -911,9 +912,9 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def _version() -> str:
-    import pyro_bdl
+    from pyro_bdl._version import __version__
 
-    return pyro_bdl.__version__
+    return __version__
 
 
 def _cuda_devices() -> list[int]:

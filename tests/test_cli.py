@@ -3,15 +3,40 @@
 import importlib
 import logging
 import os
+import re
 import sys
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
 
 import pyro_bdl
 from experiments import EXPERIMENTS
-from pyro_bdl.cli import main
+from pyro_bdl.cli import COMMANDS, main
 from pyro_bdl.data import DATASETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _declared_commands() -> list[EntryPoint]:
+    """The entry points of pyproject.toml's ``pyro_bdl.commands`` table."""
+    text = (ROOT / "pyproject.toml").read_text()
+    table = re.search(rf'\[project\.entry-points\."{COMMANDS}"\]\n((?:[^\[\n].*\n)*)', text)
+    lines = re.findall(r'^(\w+) = "([^"]+)"$', table.group(1), re.M)
+    return [EntryPoint(name, value, COMMANDS) for name, value in lines]
+
+
+@pytest.fixture(autouse=True)
+def commands(monkeypatch) -> list[EntryPoint]:
+    """The commands an install of this checkout registers, as pyproject.toml declares them
+    (the environment's metadata may be older than the checkout)."""
+    points = _declared_commands()
+
+    def registered(group: str, name: str) -> list[EntryPoint]:
+        return [p for p in points if p.group == group and p.name == name]
+
+    monkeypatch.setattr("pyro_bdl.cli.entry_points", registered)
+    return points
 
 
 def _fails(capsys, argv, status=2):
@@ -149,15 +174,12 @@ def test_demo_refuses_what_it_does_not_take(capsys):
     assert "--seeds" in _fails(capsys, ["demo", "--seeds", "1"])
 
 
-def test_experiment_from_a_checkouts_root_finds_the_experiments_there(
-    capsys, monkeypatch, tmp_path
-):
-    # The installed command's sys.path holds neither the checkout nor the current directory.
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(root))])
-    monkeypatch.delitem(sys.modules, "experiments")
-    monkeypatch.chdir(root)
+def test_the_experiments_come_through_their_entry_point(commands, capsys, tmp_path):
+    # pyproject.toml registers the repository's experiments as `pyro-bdl experiment`
+    assert [(p.name, p.value) for p in commands] == [("experiment", "experiments:main")]
     argv = ["experiment", "calibrate", "--data-dir", str(tmp_path), "--out", str(tmp_path / "o")]
     error = _fails(capsys, argv)
     assert error.startswith("pyro-bdl experiment: error:") and "calibrate" in error
-    assert sys.modules["experiments"].__file__ == str(root / "experiments" / "__init__.py")
+    commands.clear()  # an install without the entry point: how to run them instead
+    error = _fails(capsys, argv)
+    assert "not part of the installed package" in error and "python -m experiments" in error

@@ -131,7 +131,7 @@ def test_a_missing_package_stops_the_demo_before_any_work(tmp_path, monkeypatch)
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name: None if name == "arviz_plots" else real(name)
     )
-    with pytest.raises(DemoSetupError, match=r"needs arviz_plots: pip install 'pyro-bdl\[plots\]'"):
+    with pytest.raises(DemoSetupError, match=r"needs arviz_plots: pip install 'pyro-bdl\[demo\]'"):
         run_demo(tmp_path / "out", skip_lora=True)
     assert not (tmp_path / "out").exists()
 

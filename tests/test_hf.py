@@ -231,15 +231,16 @@ def test_bad_settings_are_errors_naming_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("validation", [False, True])
-def test_laplace_callback_is_laplace_guide_fit_on_the_trainers_checkpoint(validation, tmp_path):
-    # A plain Trainer fine-tunes (AdamW, shuffled batches); the callback fits K-FAC at the
-    # end over its training dataloader and tunes the prior precision by the evidence, or by
-    # the grid on validation data. The same fit from the saved adapter, on batches in
-    # another order, gives the same posterior (K-FAC's sums differ by rounding only).
+def test_laplace_callback_is_fit_laplace_lora_on_the_trainers_checkpoint(validation, tmp_path):
+    # A plain Trainer fine-tunes (AdamW, shuffled batches); at the end the callback runs the
+    # one Laplace-LoRA recipe over its training dataloader: K-FAC at the checkpoint, the
+    # prior precision by the evidence, and the link on validation data when there is any
+    # (else "mc"). fit_laplace_lora from the saved adapter, on batches in another order,
+    # gives the same posterior and link (K-FAC's sums differ by rounding only).
     from transformers import Trainer, default_data_collator
 
     from pyro_bdl.hf import LaplaceCallback
-    from pyro_bdl.inference import LaplaceGuide
+    from pyro_bdl.inference import fit_laplace_lora
     from pyro_bdl.models import lora_model
 
     val = cases.Examples("bert", size=8, seed=2)
@@ -256,15 +257,28 @@ def test_laplace_callback_is_laplace_guide_fit_on_the_trainers_checkpoint(valida
 
     pyro.clear_param_store()
     lora = lora_model(cases.bert_base(), adapter=tmp_path / "finetuned")
-    guide = LaplaceGuide(lora.model, curvature="kron")
-    train = _loader("bert")
-    guide.fit(train, len(cases.Examples("bert")), map=False, mode_tolerance=None, progress=False)
-    if validation:
-        loader = torch.utils.data.DataLoader(val, batch_size=4, collate_fn=default_data_collator)
-        guide.optimize_prior_precision("gridsearch", loader, len(cases.Examples("bert")))
-    else:
-        guide.optimize_prior_precision("marglik", num_steps=100)
+    # the callback's validation batches: the Trainer's evaluation size (the MC link's draws
+    # are taken batch by batch, so its NLL depends on the batches)
+    size = trainer.args.per_device_eval_batch_size
+    loader = torch.utils.data.DataLoader(val, batch_size=size, collate_fn=default_data_collator)
+    guide, link, scores = fit_laplace_lora(
+        lora.model,
+        _loader("bert"),
+        len(cases.Examples("bert")),
+        loader if validation else None,
+        num_steps=100,
+        links=("mc", "probit", "bridge") if validation else ("mc",),
+    )
     expected = guide.approximation_parameters()
     cases.assert_same(callback.guide.approximation_parameters(), expected, **TOLERANCE)
     for site, delta in guide.prior_precision.items():
         torch.testing.assert_close(callback.guide.prior_precision[site], delta, **TOLERANCE)
+    assert callback.guide.link == link and (scores is not None) == validation
+
+
+def test_laplace_callbacks_grid_is_deprecated_and_ignored():
+    from pyro_bdl.hf import LaplaceCallback
+
+    with pytest.warns(DeprecationWarning, match="grid=.*evidence"):
+        callback = LaplaceCallback("kron", grid=torch.logspace(-2, 2, 5))
+    assert not hasattr(callback, "grid")

@@ -62,7 +62,7 @@ def _loader(dataset, distributed):
 def _factors(guide) -> dict[str, torch.Tensor]:
     """The curvature of every block, reassembled (eigenvectors are defined up to sign)."""
     result = {}
-    for block in guide._blocks:
+    for block in guide.laplace_fit.blocks:
         if isinstance(block, KronBlock):
             for side in ("input", "output"):
                 vectors = getattr(block, f"{side}_vectors")

@@ -48,7 +48,7 @@ def test_laplace_factors_every_adapter_of_a_multiple_choice_model(winogrande):
         mode_tolerance=None,  # an untrained adapter: only the factor shapes matter here
         progress=False,
     )
-    kron = {block.site for block in guide._blocks if isinstance(block, KronBlock)}
+    kron = {block.site for block in guide.laplace_fit.blocks if isinstance(block, KronBlock)}
     adapters = {site for site in network.net.random_sites if "lora_" in site}
     assert len(adapters) == 24 and adapters <= kron
 

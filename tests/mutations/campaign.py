@@ -198,8 +198,8 @@ MUTATIONS = [
     (
         "laplace-curvature-no-N-over-seen",
         LA + "curvature_pass.py",
-        "curvature.blocks(num_data / seen), log_likelihood",
-        "curvature.blocks(1.0), log_likelihood",
+        "blocks = tuple(curvature.blocks(num_data / seen))",
+        "blocks = tuple(curvature.blocks(1.0))",
         T_LA,
     ),
     (
@@ -227,8 +227,8 @@ MUTATIONS = [
     (
         "laplace-gradient-drops-prior-mean",
         LA + "model_prior.py",
-        "guide._model_precision[name] * (value - guide._prior_loc[name])",
-        "guide._model_precision[name] * value",
+        "prior.precision[name] * (value - prior.loc[name])",
+        "prior.precision[name] * value",
         T_LA + ["tests/inference/laplace/test_mode.py"],
     ),
     (

@@ -1,112 +1,90 @@
 r"""The pass over the data that turns a point into a Laplace approximation.
 
-At the guide's point :math:`\theta` (its ``_loc``) one pass over the model's batches
-accumulates the curvature :math:`H` of the log likelihood (see
-:mod:`~pyro_bdl.inference.laplace.curvature`), the log likelihood and, for the mode check,
-the log joint's gradient; a model without the GGN's structure gets the exact Hessian of
-its log joint instead (:mod:`~pyro_bdl.inference.laplace.hessian`). What the pass leaves
-is one explicit :class:`CurvaturePass`, which the guide adopts as its fitted state:
-the blocks, the evidence's log likelihood, ``num_data``, the gradient, and the model
-linearised at the point (:class:`~.jacobians.ModelJacobians`), which the linearised
-predictive reuses (which sites' factored gradients passed their check is learnt once).
+At a point :math:`\theta` one pass over the model's batches accumulates the curvature
+:math:`H` of the log likelihood (see :mod:`~pyro_bdl.inference.laplace.curvature`), the
+log likelihood and, for the mode check, the log joint's gradient; a model without the
+GGN's structure gets the exact Hessian of its log joint instead
+(:mod:`~pyro_bdl.inference.laplace.hessian`). What the pass gives is one
+:class:`~.approximation.LaplaceFit` at the point: the blocks, the evidence's log
+likelihood, ``num_data``, the gradient, and the model linearised at the point
+(:class:`~.jacobians.ModelJacobians`), which the linearised predictive reuses (which
+sites' factored gradients passed their check is learnt once).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from pyro_bdl import distributed
+from pyro_bdl.inference.laplace.approximation import LaplaceFit, LaplaceProblem
 from pyro_bdl.inference.laplace.hessian import HessianBlock, LogJointPass
 from pyro_bdl.inference.laplace.jacobians import ModelJacobians
-from pyro_bdl.inference.laplace.model_prior import (
-    log_joint_gradient,
-    prior_curvature,
-    use_exact_hessian,
-)
-from pyro_bdl.inference.laplace.observation import StructureError
+from pyro_bdl.inference.laplace.model_prior import log_joint_gradient, prior_curvature
 from pyro_bdl.inference.minibatch import DataPass
 
-__all__ = ["CurvaturePass", "accumulate", "data_pass"]
+__all__ = ["curvature_pass", "data_pass"]
 
 
-@dataclass
-class CurvaturePass:
-    """What a curvature pass at a point gives the guide.
-
-    :ivar list blocks: the curvature blocks (scaled to the whole data set).
-    :ivar log_likelihood: the log likelihood at the point (an exact-Hessian fit: the
-        whole log joint).
-    :ivar int num_data: :math:`N`.
-    :ivar dict gradient: the log joint's gradient per site, or None (not asked).
-    :ivar jacobians: the model linearised at the point, for the linearised predictive
-        (None for an exact-Hessian fit, which has no such structure).
-    """
-
-    blocks: list
-    log_likelihood: torch.Tensor
-    num_data: int
-    gradient: dict[str, torch.Tensor] | None
-    jacobians: ModelJacobians | None
-
-    def adopt(self, guide) -> None:
-        """Make this the guide's fitted state."""
-        guide._blocks = self.blocks
-        guide._log_likelihood = self.log_likelihood
-        guide.num_data = self.num_data
-        guide._gradient = self.gradient
-        guide._jacobians = self.jacobians
-
-
-def accumulate(guide, model: Callable, batches: DataPass, progress: bool, gradient: bool):
-    """The curvature pass at ``guide._loc`` (with the log joint's gradient if asked)."""
-    if guide.exact_hessian_reason is None:
-        try:
-            _accumulate_structured(guide, model, batches, progress, gradient)
-            return
-        except StructureError as error:  # learnt from the first batch's likelihood
-            use_exact_hessian(guide, str(error).removeprefix("LaplaceGuide: "))
-    _accumulate_exact(guide, model, batches, progress)
-
-
-def _accumulate_structured(guide, model, batches, progress, gradient) -> None:
-    curvature = guide.curvature
-    curvature.begin(guide._loc)
-    guide._prior_precision.update(prior_curvature(guide, guide._loc))
+def curvature_pass(
+    problem: LaplaceProblem,
+    loc: dict[str, torch.Tensor],
+    batches: DataPass,
+    progress: bool,
+    gradient: bool,
+) -> LaplaceFit:
+    """The Laplace approximation of ``problem`` at ``loc`` (unconstrained values), with
+    the log joint's gradient there if asked (an exact-Hessian fit always has it)."""
+    if problem.prior.exact_hessian_reason is not None:
+        return _exact_pass(problem, loc, batches, progress)
+    curvature = problem.curvature
+    curvature.begin(loc)
+    delta = {**problem.prior_precision(), **prior_curvature(problem.prior, loc)}
     log_likelihood, score, num_data, seen, jacobians = data_pass(
-        model, batches, guide._loc, curvature, gradient, progress
+        problem.model, batches, loc, curvature, gradient, progress
     )
-    result = CurvaturePass(
-        curvature.blocks(num_data / seen), log_likelihood, num_data, None, jacobians
-    )
-    result.adopt(guide)
-    for block in result.blocks:
+    blocks = tuple(curvature.blocks(num_data / seen))
+    for block in blocks:
         try:
-            block.check_prior(guide._prior_precision)
+            block.check_prior(delta)
         except ValueError as error:
-            other = next((name for name in block.sites if name in guide._other_priors), None)
+            other = next((name for name in block.sites if name in problem.prior.others), None)
             if other is None:
                 raise
-            fn = guide.sites[other].prior_name
+            fn = problem.prior.others[other].prior_name
             raise ValueError(
                 f"{error}. The prior of {other!r} is a {fn}, not a Normal: its curvature "
                 "differs from entry to entry, which K-FAC cannot hold; use "
                 "curvature='diag_ggn' or 'full'"
             ) from None
-    guide._gradient = None if score is None else log_joint_gradient(guide, score, guide._loc)
+    return LaplaceFit(
+        loc=loc,
+        blocks=blocks,
+        prior_precision=delta,
+        prior=problem.prior,
+        log_likelihood=log_likelihood,
+        num_data=num_data,
+        temperature=problem.temperature,
+        gradient=None if score is None else log_joint_gradient(problem.prior, score, loc),
+        jacobians=jacobians,
+    )
 
 
-def _accumulate_exact(guide, model, batches, progress) -> None:
-    """The exact Hessian of the log joint at ``guide._loc`` (see :mod:`.hessian`)."""
-    log_joint = LogJointPass(model, guide.sites, batches)
-    value, grad, hessian = log_joint(guide.sites.pack(guide._loc), order=2, progress=progress)
-    shapes = {name: site.unconstrained_shape for name, site in guide.sites.items()}
-    # the log likelihood is the whole log joint: the evidence's other terms
-    blocks = [HessianBlock(shapes, -hessian)]
-    CurvaturePass(blocks, value, log_joint.num_data, guide.sites.unpack(grad), None).adopt(guide)
+def _exact_pass(problem, loc, batches, progress) -> LaplaceFit:
+    """The exact Hessian of the log joint at ``loc`` (see :mod:`.hessian`)."""
+    log_joint = LogJointPass(problem.model, problem.sites, batches)
+    value, grad, hessian = log_joint(problem.sites.pack(loc), order=2, progress=progress)
+    shapes = {name: site.unconstrained_shape for name, site in problem.sites.items()}
+    return LaplaceFit(
+        loc=loc,
+        blocks=(HessianBlock(shapes, -hessian),),
+        prior_precision={},
+        prior=problem.prior,
+        log_likelihood=value,  # the whole log joint: the evidence's other terms
+        num_data=log_joint.num_data,
+        temperature=problem.temperature,
+        gradient=problem.sites.unpack(grad),
+    )
 
 
 def data_pass(model, batches, values, curvature, gradient, progress):

@@ -1,12 +1,12 @@
-r"""Fitting a :class:`~.guide.LaplaceGuide`: the MAP stage, the refinement, the mode check.
+r"""Fitting a Laplace approximation: the MAP stage, the refinement, the mode check.
 
-:func:`fit` is :meth:`LaplaceGuide.fit <.guide.LaplaceGuide.fit>` (whose docstring
-gives the method): the values (found by :func:`~pyro_bdl.inference.map.minimise`, or
-given and checked), a curvature pass there (:mod:`.curvature_pass`), then, while the
-Newton decrement :math:`\lambda = \sqrt{g^\top P^{-1} g / T}` (:func:`mode_distance`) is
-above the tolerance, L-BFGS on full passes in coordinates whitened by the current
-approximation (:func:`refine`) and a fresh curvature pass. What it leaves is the guide's
-fitted state (its MAP ``_loc`` and the pass's :class:`~.curvature_pass.CurvaturePass`).
+:func:`fit` is the body of :meth:`LaplaceGuide.fit <.guide.LaplaceGuide.fit>` (whose
+docstring gives the method): the values (found by :func:`~pyro_bdl.inference.map.minimise`,
+or given and checked), a curvature pass there (:mod:`.curvature_pass`), then, while the
+Newton decrement :math:`\lambda = \sqrt{g^\top P^{-1} g / T}`
+(:attr:`~.approximation.LaplaceFit.mode_distance`) is above the tolerance, L-BFGS on full
+passes in coordinates whitened by the current approximation (:func:`refine`) and a fresh
+curvature pass. It returns the last pass's :class:`~.approximation.LaplaceFit`.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ import torch
 from tqdm.auto import tqdm
 
 from pyro_bdl._checks import instance, integer, real, site_keys
-from pyro_bdl.inference.laplace.curvature_pass import accumulate, data_pass
+from pyro_bdl.inference.laplace.approximation import LaplaceFit, LaplaceProblem
+from pyro_bdl.inference.laplace.curvature_pass import curvature_pass, data_pass
 from pyro_bdl.inference.laplace.hessian import HessianBlock, LogJointPass
-from pyro_bdl.inference.laplace.jacobians import DenseGradient, ModelJacobians
-from pyro_bdl.inference.laplace.model_prior import log_joint_gradient, log_prior, use_exact_hessian
+from pyro_bdl.inference.laplace.jacobians import ModelJacobians
+from pyro_bdl.inference.laplace.model_prior import log_joint_gradient, log_prior
 from pyro_bdl.inference.laplace.observation import StructureError
 from pyro_bdl.inference.map import adam_at_prior_scale, minimise
 from pyro_bdl.inference.minibatch import DataPass
 from pyro_bdl.priors import normal_parameters
 
-__all__ = ["fit", "mode_distance"]
+__all__ = ["fit", "refine"]
 
 # L-BFGS passes before the curvature is first refreshed; each round doubles it (a
 # fresh curvature whitens far better while the point still moves a lot).
@@ -37,7 +38,8 @@ _FIRST_ROUND = 5
 
 
 def fit(
-    guide,
+    model: Callable,
+    setup: Callable[[tuple, dict], LaplaceProblem],
     args: tuple,
     kwargs: dict,
     *,
@@ -47,8 +49,9 @@ def fit(
     max_passes: int,
     mode_tolerance: float | None,
     progress: bool,
-) -> None:
-    """Fit ``guide`` (see :meth:`LaplaceGuide.fit <.guide.LaplaceGuide.fit>`)."""
+) -> LaplaceFit:
+    """The fit (see :meth:`LaplaceGuide.fit <.guide.LaplaceGuide.fit>`) of ``model`` on
+    ``args``; ``setup`` gives the problem from the arguments of the first batch."""
     if not isinstance(map, (bool, Mapping)):
         raise TypeError(
             f"map must be True, False or a dict of site values, got {type(map).__name__}"
@@ -60,69 +63,82 @@ def fit(
     instance("progress", progress, bool, "True or False")
     if optimizer is not None:
         instance("optimizer", optimizer, pyro.optim.PyroOptim, "a pyro.optim optimiser")
-    model = guide._laplace_model[0]
     batches = DataPass(model, args, kwargs)
     first_args, first_kwargs = batches.batches.peek()
-    guide._setup_prototype(*first_args, **first_kwargs)
+    problem = _with_structure(setup(first_args, first_kwargs), first_args, first_kwargs)
     if map is True:
-        _probe_structure(guide, model, first_args, first_kwargs)
         values, _ = minimise(
             model,
             args,
             kwargs,
             num_steps,
-            optimizer or adam_at_prior_scale(_prior_scales(guide)),
+            optimizer or adam_at_prior_scale(_prior_scales(problem)),
             False,
-            guide.init_loc_fn,
+            problem.init_loc_fn,
             progress,
             jacobian=True,
         )
     elif map is False:
-        values = {name: site.message["value"] for name, site in guide.sites.items()}
+        values = {name: site.message["value"] for name, site in problem.sites.items()}
     else:
-        values = _checked_values(guide, map)
+        values = _checked_values(problem, map)
     values = {name: value.detach() for name, value in values.items()}
-    guide._loc = {name: z.clone() for name, z in guide.sites.unconstrain(values).items()}
+    loc = {name: z.clone() for name, z in problem.sites.unconstrain(values).items()}
     check = mode_tolerance is not None
-    accumulate(guide, model, batches, progress, gradient=check)
+    result = curvature_pass(problem, loc, batches, progress, gradient=check)
     passes = rounds = 0
-    distance = mode_distance(guide) if check else 0.0
+    distance = result.mode_distance if check else 0.0
     while check and map is True and passes < max_passes and distance > mode_tolerance:
         budget = min(max_passes - passes, _FIRST_ROUND * 2**rounds)
         rounds += 1
-        before = guide._loc
-        passes += refine(guide, model, batches, mode_tolerance, budget, progress)
+        loc, taken = refine(problem, result, batches, mode_tolerance, budget, progress)
+        passes += taken
         # A round whose line search found no decrease has met the precision of the log
         # joint itself: more rounds cannot bring the mode closer.
-        if all(torch.equal(before[name], value) for name, value in guide._loc.items()):
+        if all(torch.equal(result.loc[name], value) for name, value in loc.items()):
             break
-        accumulate(guide, model, batches, progress, gradient=True)
-        distance = mode_distance(guide)
+        result = curvature_pass(problem, loc, batches, progress, gradient=True)
+        distance = result.mode_distance
     if check and distance > mode_tolerance:
-        _warn_not_a_mode(guide, map, mode_tolerance, num_steps, max_passes)
-    _warn_if_adapters_untrained(guide._loc)
-    if guide.exact_hessian_reason is not None:
-        _check_positive_definite(guide._blocks[0], guide.exact_hessian_reason)
+        _warn_not_a_mode(result, map, mode_tolerance, num_steps, max_passes)
+    _warn_if_adapters_untrained(result.loc)
+    if result.exact_hessian_reason is not None:
+        _check_positive_definite(result.blocks[0], result.exact_hessian_reason)
+    return result
 
 
-def _prior_scales(guide) -> dict[str, float]:
+def _with_structure(problem: LaplaceProblem, args: tuple, kwargs: dict) -> LaplaceProblem:
+    """Read the likelihood of one run before any pass, so that a model without the GGN's
+    structure is refused (or sent to the exact Hessian) before, not after, a MAP search."""
+    if problem.prior.exact_hessian_reason is not None:
+        return problem
+    values = {name: site.message["value"] for name, site in problem.sites.items()}
+    try:
+        ModelJacobians(problem.model, values)(args, kwargs)
+    except StructureError as error:
+        return problem.exact(str(error).removeprefix("LaplaceGuide: "))
+    return problem
+
+
+def _prior_scales(problem: LaplaceProblem) -> dict[str, float]:
     """The scale each site's unconstrained value lives on: a Normal prior's standard
     deviation, 1 for any other prior (the scale of the unconstrained space)."""
     scales = {}
-    for name, site in guide.sites.items():
+    for name, site in problem.sites.items():
         normal = normal_parameters(site.message["fn"], site.message["value"])
         scales[name] = 1.0 if normal is None or not site.is_real else float(normal[1].mean())
     return scales
 
 
-def _checked_values(guide, values: Mapping) -> dict[str, torch.Tensor]:
+def _checked_values(problem: LaplaceProblem, values: Mapping) -> dict[str, torch.Tensor]:
     """``fit(map=values)``: one finite tensor per latent site, of the site's shape."""
-    site_keys("fit(map=...)", values, guide.sites, "the model's latent sites")
-    missing = [name for name in guide.sites if name not in values]
+    sites = problem.sites
+    site_keys("fit(map=...)", values, sites, "the model's latent sites")
+    missing = [name for name in sites if name not in values]
     if missing:
         raise ValueError(f"fit(map=...): no value for the latent sites {missing[:5]}")
     checked = {}
-    for name, site in guide.sites.items():
+    for name, site in sites.items():
         like = site.message["value"]
         value = values[name]
         if not torch.is_tensor(value):
@@ -145,43 +161,18 @@ def _checked_values(guide, values: Mapping) -> dict[str, torch.Tensor]:
     return checked
 
 
-def _probe_structure(guide, model: Callable, args: tuple, kwargs: dict) -> None:
-    """Read the likelihood of one run before a MAP search, so that a model without the
-    GGN's structure is refused (or sent to the exact Hessian) before, not after it."""
-    if guide.exact_hessian_reason is not None:
-        return
-    values = {name: site.message["value"] for name, site in guide.sites.items()}
-    try:
-        ModelJacobians(model, values)(args, kwargs)
-    except StructureError as error:
-        use_exact_hessian(guide, str(error).removeprefix("LaplaceGuide: "))
-
-
-def mode_distance(guide) -> float:
-    r"""The Newton decrement :math:`\sqrt{g^\top P^{-1} g / T}` of the fitted point."""
-    squared = sum(
-        block.output_covariance(
-            {name: DenseGradient(guide._gradient[name][None, None]) for name in block.sites},
-            guide._prior_precision,
-        ).sum()
-        for block in guide._blocks
-    )
-    return math.sqrt(max(float(squared), 0.0) / guide.temperature)
-
-
-def _whiten(guide, start, offsets) -> dict[str, torch.Tensor]:
+def _whiten(fit: LaplaceFit, start, offsets) -> dict[str, torch.Tensor]:
     r""":math:`\theta_0 + R u` with :math:`R R^\top = P^{-1}`, differentiable in ``u``."""
-    values = {}
-    for block in guide._blocks:
-        noise = {name: offsets[name].unsqueeze(0) for name in block.sites}
-        for name, step in block.sample(noise, guide._prior_precision).items():
-            values[name] = start[name] + step[0]
-    return values
+    steps = fit.offsets({name: offset.unsqueeze(0) for name, offset in offsets.items()})
+    return {name: start[name] + steps[name][0] for name in start}
 
 
-def refine(guide, model, batches, tolerance, budget, progress) -> int:
-    """L-BFGS on the log joint in whitened coordinates; returns the passes taken."""
-    start = {name: value.detach() for name, value in guide._loc.items()}
+def refine(
+    problem: LaplaceProblem, fit: LaplaceFit, batches, tolerance, budget, progress
+) -> tuple[dict[str, torch.Tensor], int]:
+    """L-BFGS on the log joint in coordinates whitened by ``fit``; returns the point
+    reached and the passes taken."""
+    start = {name: value.detach() for name, value in fit.loc.items()}
     offsets = {name: torch.zeros_like(value, requires_grad=True) for name, value in start.items()}
     # A long memory pays on these small non-convex problems; keep it under ~1e8 numbers.
     size = sum(value.numel() for value in start.values())
@@ -203,14 +194,14 @@ def refine(guide, model, batches, tolerance, budget, progress) -> int:
         passes += 1
         bar.update()
         lbfgs.zero_grad()
-        values = _whiten(guide, start, offsets)
+        values = _whiten(fit, start, offsets)
         detached = {name: value.detach() for name, value in values.items()}
-        log_joint, gradient = _log_joint(guide, model, batches, detached)
+        log_joint, gradient = _log_joint(problem, batches, detached)
         torch.autograd.backward(list(values.values()), [-gradient[name] for name in values])
         # In these coordinates the gradient's norm is the Newton decrement at T = 1.
         # LBFGS stops when the gradient it sees is zero: report zero once it is small.
         squared = sum(offset.grad.square().sum() for offset in offsets.values())
-        if math.sqrt(float(squared) / guide.temperature) <= tolerance / 2:
+        if math.sqrt(float(squared) / fit.temperature) <= tolerance / 2:
             for offset in offsets.values():
                 offset.grad.zero_()
         bar.set_postfix(log_joint=f"{float(log_joint):.6g}", refresh=False)
@@ -219,25 +210,24 @@ def refine(guide, model, batches, tolerance, budget, progress) -> int:
     lbfgs.step(closure)
     bar.close()
     with torch.no_grad():
-        guide._loc = {
-            name: value.detach().clone() for name, value in _whiten(guide, start, offsets).items()
-        }
-    return passes
+        loc = {name: value.detach().clone() for name, value in _whiten(fit, start, offsets).items()}
+    return loc, passes
 
 
-def _log_joint(guide, model, batches, values) -> tuple[torch.Tensor, dict]:
+def _log_joint(problem: LaplaceProblem, batches, values) -> tuple[torch.Tensor, dict]:
     """The log joint over a pass at unconstrained ``values``, and its gradient."""
-    if guide.exact_hessian_reason is not None:
-        value, grad, _ = LogJointPass(model, guide.sites, batches)(
-            guide.sites.pack(values), order=1
+    if problem.prior.exact_hessian_reason is not None:
+        value, grad, _ = LogJointPass(problem.model, problem.sites, batches)(
+            problem.sites.pack(values), order=1
         )
-        return value, guide.sites.unpack(grad)
-    log_likelihood, score, *_ = data_pass(model, batches, values, None, True, False)
-    return log_likelihood + log_prior(guide, values), log_joint_gradient(guide, score, values)
+        return value, problem.sites.unpack(grad)
+    log_likelihood, score, *_ = data_pass(problem.model, batches, values, None, True, False)
+    prior = problem.prior
+    return log_likelihood + log_prior(prior, values), log_joint_gradient(prior, score, values)
 
 
-def _warn_not_a_mode(guide, map, tolerance, num_steps, max_passes) -> None:
-    norm = math.sqrt(sum(float(g.square().sum()) for g in guide._gradient.values()))
+def _warn_not_a_mode(fit: LaplaceFit, map, tolerance, num_steps, max_passes) -> None:
+    norm = math.sqrt(sum(float(g.square().sum()) for g in fit.gradient.values()))
     if map is True:
         fix = (
             f"raise max_passes (now {max_passes}) or num_steps (now {num_steps}), or "
@@ -256,7 +246,7 @@ def _warn_not_a_mode(guide, map, tolerance, num_steps, max_passes) -> None:
         )
     warnings.warn(
         f"LaplaceGuide.fit: the point is not a mode of the log joint: its gradient has "
-        f"norm {norm:.4g}, which puts the mode {mode_distance(guide):.3g} posterior "
+        f"norm {norm:.4g}, which puts the mode {fit.mode_distance:.3g} posterior "
         f"standard deviations away (Newton decrement sqrt(g' P^-1 g / T), above "
         f"mode_tolerance={tolerance}); the mean, curvature and evidence are those of "
         f"another point. To fix: {fix}. mode_tolerance=None skips this check",

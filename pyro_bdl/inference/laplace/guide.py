@@ -23,15 +23,17 @@ computes it, and the other curvatures refuse the model, naming what is missing.
 
 The guide is the approximation: drawing (:meth:`~LaplaceGuide.forward`,
 :meth:`~LaplaceGuide.sample_posterior`), its summaries (``median``, ``quantiles``,
-``variance``, ``get_posterior``) and ``as_prior`` live in this module. Producing it and
-using it are in modules of their own, which the guide's methods call:
-:mod:`~pyro_bdl.inference.laplace.fitting` (the MAP stage, the whitened L-BFGS
-refinement, the mode check), :mod:`~pyro_bdl.inference.laplace.curvature_pass` (the pass
-over the data; its :class:`~.curvature_pass.CurvaturePass` is the fitted state, including
-the model linearised at the MAP that the predictive reuses),
-:mod:`~pyro_bdl.inference.laplace.model_prior` (the model's priors and the prior
-precision), :mod:`~pyro_bdl.inference.laplace.predictive` (the GLM predictive and its
-links) and :mod:`~pyro_bdl.inference.laplace.tuning` (prior precision and link selection).
+``variance``, ``get_posterior``) and ``as_prior`` live in this module. What the fit found
+is one frozen value, a :class:`~.approximation.LaplaceFit` (the MAP, the curvature blocks,
+the prior precision, the link, the model linearised at the MAP), which the guide holds as
+:attr:`~LaplaceGuide.laplace_fit`, replaced as a whole and only by
+:meth:`LaplaceGuide._adopt`. The modules beside the guide take a fit and return a result
+or a new fit: :mod:`~pyro_bdl.inference.laplace.fitting` (the MAP stage, the whitened
+L-BFGS refinement, the mode check) and :mod:`~pyro_bdl.inference.laplace.curvature_pass`
+(the pass over the data) make one, :mod:`~pyro_bdl.inference.laplace.predictive` (the GLM
+predictive and its links) reads one, :mod:`~pyro_bdl.inference.laplace.tuning` (prior
+precision and link selection) returns a new one, and
+:mod:`~pyro_bdl.inference.laplace.state` saves and restores one.
 """
 
 from __future__ import annotations
@@ -46,30 +48,20 @@ import torch
 from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 
-from pyro_bdl._checks import function, instance, integer, real
+from pyro_bdl._checks import function, instance, integer, one_of, real
 from pyro_bdl._draws import kept_draws
 from pyro_bdl.inference.guide_state import GuideState, dtype_name
 from pyro_bdl.inference.laplace import fitting, tuning
+from pyro_bdl.inference.laplace.approximation import LaplaceFit, LaplaceProblem
 from pyro_bdl.inference.laplace.curvature import Curvature, DiagonalBlock, Full, make_curvature
-from pyro_bdl.inference.laplace.model_prior import (
-    PriorPrecision,
-    checked_precision,
-    read_priors,
-    resolve,
-    set_prior_precision,
-)
-from pyro_bdl.inference.laplace.predictive import (
-    LINKS,
-    glm_predictive,
-    linearize,
-    output_covariance,
-    output_distribution,
-)
+from pyro_bdl.inference.laplace.model_prior import PriorPrecision, checked_precision, read_priors
+from pyro_bdl.inference.laplace.predictive import LINKS, glm_predictive, output_distribution
 from pyro_bdl.inference.laplace.prior import LaplacePrior
 from pyro_bdl.inference.laplace.state import (
     curvature_from_settings,
     laplace_state,
     restore_laplace,
+    saved_sites,
 )
 from pyro_bdl.inference.sites import LatentSites
 from pyro_bdl.lift import init_to_module
@@ -103,6 +95,10 @@ class LaplaceGuide(GuideState, AutoGuide):
     Curvatures: ``"diag_ggn"``, ``"diag_ef"``, ``"kron"`` (K-FAC per linear layer, the
     default, as in Laplace-LoRA), ``"kron_lowrank"`` (rank-16 large factors) and
     ``"full"``; or an instance such as ``KronLowRank(rank=8)`` or ``Kron(fisher="mc")``.
+
+    What the fit found is one frozen :class:`~pyro_bdl.inference.LaplaceFit`
+    (:attr:`laplace_fit`): tuning the prior precision or the link gives the guide a new
+    one, never changes it in place.
 
     **References**
 
@@ -162,18 +158,55 @@ class LaplaceGuide(GuideState, AutoGuide):
         super().__init__(InitMessenger(init_loc_fn)(model))
         self._laplace_model = (model,)  # a tuple keeps nn.Module from registering it
         self.curvature = curvature
-        self.temperature = temperature
+        self._temperature = temperature
         self.init_loc_fn = init_loc_fn
         self._prior_precision_arg = prior_precision
-        # The fitted state, set by the curvature pass (CurvaturePass.adopt): _blocks, the
-        # log likelihood, num_data, the log joint's gradient and _jacobians, the model
-        # linearised at the MAP, which the linearised predictive reads; and _loc, the MAP.
-        self._blocks = None
-        #: the link :meth:`predictive` uses by default: ``"mc"``, or what :meth:`select_link`
-        #: chose (saved with the guide)
-        self.link = "mc"
-        #: why the exact Hessian of the log joint is used (None: the curvature's structure)
-        self.exact_hessian_reason: str | None = None
+        self._adopt(None)
+
+    def _adopt(self, fit: LaplaceFit | None) -> None:
+        """Make ``fit`` the guide's fitted state: the one place it is written."""
+        self._fit = fit
+
+    @property
+    def laplace_fit(self) -> LaplaceFit:
+        """What the fit found, one frozen :class:`~pyro_bdl.inference.LaplaceFit`; tuning
+        replaces it with a new one."""
+        if self._fit is None:
+            raise RuntimeError("LaplaceGuide: call guide.fit(...) first")
+        return self._fit
+
+    @property
+    def temperature(self) -> float:
+        """:math:`T`; setting it tempers the fitted posterior too, :math:`\\Sigma = T P^{-1}`
+        (the curvature is not refitted)."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._temperature = real("temperature", value, positive=True)
+        if self._fit is not None:
+            self._adopt(self._fit.with_temperature(self._temperature))
+
+    @property
+    def link(self) -> str:
+        """The link :meth:`predictive` uses by default: ``"mc"``, or what :meth:`select_link`
+        chose (saved with the guide)."""
+        return "mc" if self._fit is None else self._fit.link
+
+    @link.setter
+    def link(self, value: str) -> None:
+        self._adopt(self.laplace_fit.with_link(one_of("link", value, LINKS)))
+
+    @property
+    def num_data(self) -> int:
+        """:math:`N`, the size of the data set the fit passed over."""
+        return self.laplace_fit.num_data
+
+    @property
+    def exact_hessian_reason(self) -> str | None:
+        """Why the exact Hessian of the log joint is used (None: the curvature's structure,
+        or not fitted)."""
+        return None if self._fit is None else self._fit.exact_hessian_reason
 
     # -- fitting ---------------------------------------------------------------------
 
@@ -234,8 +267,9 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param bool progress: show progress bars.
         :return: the guide, fitted.
         """
-        fitting.fit(
-            self,
+        fit = fitting.fit(
+            self._laplace_model[0],
+            self._problem,
             args,
             kwargs,
             map=map,
@@ -245,7 +279,23 @@ class LaplaceGuide(GuideState, AutoGuide):
             mode_tolerance=mode_tolerance,
             progress=progress,
         )
+        self._adopt(fit.with_link(self.link))  # a refit keeps the link chosen
         return self
+
+    def _problem(self, args: tuple, kwargs: dict) -> LaplaceProblem:
+        """What :meth:`fit` approximates, set up on the arguments of one batch."""
+        self._setup_prototype(*args, **kwargs)
+        return LaplaceProblem(
+            model=self._laplace_model[0],
+            sites=self.sites,
+            prior=read_priors(
+                self.sites, self.model, args, kwargs, self.curvature, self._prior_precision_arg
+            ),
+            curvature=self.curvature,
+            temperature=self.temperature,
+            requested=self._prior_precision_arg,
+            init_loc_fn=self.init_loc_fn,
+        )
 
     def _setup_prototype(self, *args, **kwargs) -> None:
         super()._setup_prototype(*args, **kwargs)
@@ -255,7 +305,6 @@ class LaplaceGuide(GuideState, AutoGuide):
         self.sites.refuse_local(
             "the Laplace approximation is over global sites, as Pyro's AutoLaplaceApproximation's"
         )
-        read_priors(self, args, kwargs)
 
     @property
     def mode_distance(self) -> float | None:
@@ -265,22 +314,7 @@ class LaplaceGuide(GuideState, AutoGuide):
         at the current prior precision; None if the fit skipped the check
         (``mode_tolerance=None``).
         """
-        self._check_fitted()
-        return None if self._gradient is None else fitting.mode_distance(self)
-
-    def _check_fitted(self) -> None:
-        if self._blocks is None:
-            raise RuntimeError("LaplaceGuide: call guide.fit(...) first")
-
-    def _require_structure(self, what: str) -> None:
-        self._check_fitted()
-        if self.exact_hessian_reason is not None:
-            raise ValueError(
-                f"LaplaceGuide: {what} needs the GGN structure of a network's weights, and this "
-                f"fit is the exact Hessian of the model's log joint because "
-                f"{self.exact_hessian_reason}; draw from the posterior with "
-                "Predictive(model, guide=guide) instead"
-            )
+        return self.laplace_fit.mode_distance
 
     # -- the prior precision ---------------------------------------------------------
 
@@ -289,11 +323,12 @@ class LaplaceGuide(GuideState, AutoGuide):
         """:math:`\\delta` per site with a Normal prior: a 0-dim tensor, or one shaped like
         the site. Sites with other priors, and every site of an exact-Hessian fit, take
         their prior's curvature from the model and have none."""
-        return {name: self._prior_precision[name] for name in self._model_precision}
+        fit = self.laplace_fit
+        return {name: fit.prior_precision[name] for name in fit.prior.precision}
 
     @prior_precision.setter
     def prior_precision(self, value: PriorPrecision) -> None:
-        set_prior_precision(self, value)
+        self._adopt(self.laplace_fit.with_prior_precision(value))
 
     # -- the Gaussian ----------------------------------------------------------------
 
@@ -308,44 +343,32 @@ class LaplaceGuide(GuideState, AutoGuide):
         density adds :math:`\frac{1}{2} \log\det (P / T)` per block to the noise's, and the
         log-Jacobian of a constrained site.
         """
-        self._check_fitted()
-        like = next(iter(self._loc.values()))
-        sizes = [value.numel() for value in self._loc.values()]
+        fit = self.laplace_fit
+        like = next(iter(fit.loc.values()))
+        sizes = [value.numel() for value in fit.loc.values()]
         standard = dist.Normal(like.new_zeros(sum(sizes)), 1.0).to_event(1)
         noise = pyro.sample("_LaplaceGuide_noise", standard, infer={"is_auxiliary": True})
         plates = noise.shape[:-1]
         flat = noise.reshape(-1, noise.shape[-1])
         parts = {
-            name: part.reshape(len(flat), *self._loc[name].shape)
-            for name, part in zip(self._loc, flat.split(sizes, -1))
+            name: part.reshape(len(flat), *fit.loc[name].shape)
+            for name, part in zip(fit.loc, flat.split(sizes, -1))
         }
-        draws = self._transform(parts)
+        draws = fit.draws(parts)
         site_plates = self._create_plates(*args, **kwargs)
         result = {}
-        for block in self._blocks:
-            size = sum(self._loc[name].numel() for name in block.sites)
-            log_det = block.log_det(self._prior_precision) - size * math.log(self.temperature)
+        for block in fit.blocks:
+            size = sum(fit.loc[name].numel() for name in block.sites)
+            log_det = block.log_det(fit.prior_precision) - size * math.log(fit.temperature)
             for k, name in enumerate(block.sites):
                 site = self.sites[name]
-                z = draws[name].reshape(plates + self._loc[name].shape)
+                z = draws[name].reshape(plates + fit.loc[name].shape)
                 with ExitStack() as stack:
                     for frame in site.frames:
                         stack.enter_context(site_plates[frame.name])
                     delta = site.delta(z, extra=0.5 * log_det if k == 0 else 0.0)
                     result[name] = pyro.sample(name, delta)
         return result
-
-    def _transform(self, noise: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        r""":math:`\theta_\text{MAP} + \sqrt{T} R z` for noise shaped ``(S, *site_shape)``."""
-        draws = {}
-        root_t = math.sqrt(self.temperature)
-        for block in self._blocks:
-            offsets = block.sample(
-                {name: noise[name] for name in block.sites}, self._prior_precision
-            )
-            for name in block.sites:
-                draws[name] = self._loc[name] + root_t * offsets[name]
-        return draws
 
     def sample_posterior(
         self,
@@ -363,7 +386,7 @@ class LaplaceGuide(GuideState, AutoGuide):
             copied there before the next: the guide's device holds one draw, whatever
             ``num_samples``.
         """
-        self._check_fitted()
+        fit = self.laplace_fit
         num_samples = integer("num_samples", num_samples, low=1)
         if generator is not None:
             instance("generator", generator, torch.Generator, "a torch.Generator or None")
@@ -371,12 +394,12 @@ class LaplaceGuide(GuideState, AutoGuide):
             instance("device", device, (str, torch.device), "a device such as 'cpu', or None")
 
             def one_draw() -> dict[str, torch.Tensor]:
-                return {name: draw[0] for name, draw in self._draw(1, generator).items()}
+                return {name: draw[0] for name, draw in self._draw(fit, 1, generator).items()}
 
             return kept_draws(one_draw, num_samples, device)
-        return self._draw(num_samples, generator)
+        return self._draw(fit, num_samples, generator)
 
-    def _draw(self, num_samples: int, generator) -> dict[str, torch.Tensor]:
+    def _draw(self, fit: LaplaceFit, num_samples: int, generator) -> dict[str, torch.Tensor]:
         noise = {
             name: torch.randn(
                 num_samples,
@@ -385,28 +408,23 @@ class LaplaceGuide(GuideState, AutoGuide):
                 device=value.device,
                 generator=generator,
             )
-            for name, value in self._loc.items()
+            for name, value in fit.loc.items()
         }
-        draws, _ = self.sites.constrain(self._transform(noise))
+        draws, _ = self.sites.constrain(fit.draws(noise))
         return draws
 
     @torch.no_grad()
     def median(self, *args, **kwargs) -> dict[str, torch.Tensor]:
         """:math:`\\theta_\\text{MAP}`, the mean (and median) of every site; :math:`T` of it,
         in the site's support, for a constrained site (as ``AutoLaplaceApproximation``)."""
-        self._check_fitted()
-        values, _ = self.sites.constrain(self._loc)
+        fit = self.laplace_fit
+        values, _ = self.sites.constrain(fit.loc)
         return {name: value.clone() for name, value in values.items()}
 
     def variance(self) -> dict[str, torch.Tensor]:
         """The marginal variance of every entry, the diagonal of :math:`T P^{-1}` (of the
         unconstrained value, for a constrained site)."""
-        self._check_fitted()
-        result = {}
-        for block in self._blocks:
-            for name, variance in block.variance(self._prior_precision).items():
-                result[name] = self.temperature * variance.expand(self._loc[name].shape)
-        return result
+        return self.laplace_fit.variance()
 
     @torch.no_grad()
     def quantiles(self, quantiles, *args, **kwargs) -> dict[str, torch.Tensor]:
@@ -415,7 +433,7 @@ class LaplaceGuide(GuideState, AutoGuide):
         variance = self.variance()
         q = torch.as_tensor(quantiles)
         result = {}
-        for name, loc in self._loc.items():
+        for name, loc in self.laplace_fit.loc.items():
             normal = dist.Normal(loc, variance[name].sqrt())
             values = normal.icdf(q.to(loc).reshape((-1,) + (1,) * loc.dim()))
             result[name] = self.sites[name].transform(values)
@@ -446,9 +464,9 @@ class LaplaceGuide(GuideState, AutoGuide):
             accepted as Pyro's guides take them).
         :return: ``Independent(Normal)`` or ``MultivariateNormal`` of event shape ``(d,)``.
         """
-        self._check_fitted()
-        loc = self.sites.pack(self._loc)
-        if all(isinstance(block, DiagonalBlock) for block in self._blocks):
+        fit = self.laplace_fit
+        loc = self.sites.pack(fit.loc)
+        if all(isinstance(block, DiagonalBlock) for block in fit.blocks):
             scale = self.sites.pack(self.variance()).sqrt()
             return dist.Normal(loc, scale).to_event(1)
         if len(loc) > _DENSE_LIMIT and not isinstance(self.curvature, Full):
@@ -465,20 +483,21 @@ class LaplaceGuide(GuideState, AutoGuide):
     def _dense_covariance(self) -> torch.Tensor:
         r""":math:`T P^{-1}` as a ``(d, d)`` matrix: block by block, each from :math:`R`
         (:math:`R R^\top = P^{-1}`) applied to the unit vectors."""
-        loc = self.sites.pack(self._loc)
+        fit = self.laplace_fit
+        loc = self.sites.pack(fit.loc)
         covariance = loc.new_zeros(len(loc), len(loc))
         positions = self.sites.unpack(torch.arange(len(loc), device=loc.device))
-        for block in self._blocks:
+        for block in fit.blocks:
             index = torch.cat([positions[name].reshape(-1) for name in block.sites])
             eye = torch.eye(len(index), dtype=loc.dtype, device=loc.device)
-            sizes = [self._loc[name].numel() for name in block.sites]
+            sizes = [fit.loc[name].numel() for name in block.sites]
             noise = {
-                name: part.reshape(len(index), *self._loc[name].shape)
+                name: part.reshape(len(index), *fit.loc[name].shape)
                 for name, part in zip(block.sites, eye.split(sizes, -1))
             }
-            root = block.sample(noise, self._prior_precision)  # row j: R e_j
+            root = block.sample(noise, fit.prior_precision)  # row j: R e_j
             root = torch.cat([root[name].reshape(len(index), -1) for name in block.sites], -1)
-            covariance[index.unsqueeze(-1), index] = self.temperature * (root.mT @ root)
+            covariance[index.unsqueeze(-1), index] = fit.temperature * (root.mT @ root)
         return covariance
 
     # -- the linearised predictive ---------------------------------------------------
@@ -495,8 +514,8 @@ class LaplaceGuide(GuideState, AutoGuide):
         :return: mean ``(B, K)`` and covariance ``(B, K, K)`` of the model's returned
             tensor (logits for a classifier).
         """
-        delta = self._resolve(prior_precision)
-        return output_distribution(self, args, kwargs, delta)
+        fit = self.laplace_fit
+        return output_distribution(fit, args, kwargs, fit.resolve(prior_precision))
 
     def predictive(
         self,
@@ -527,7 +546,7 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
         return glm_predictive(
-            self,
+            self.laplace_fit,
             args,
             kwargs,
             link=link,
@@ -538,18 +557,7 @@ class LaplaceGuide(GuideState, AutoGuide):
             progress=progress,
         )
 
-    def _linearize(self, args: tuple, kwargs: dict, contrasts: bool = False):
-        """:func:`~.predictive.linearize` at the model linearised by the fit."""
-        self._require_structure("the linearised (GLM) predictive")
-        return linearize(self._jacobians, args, kwargs, contrasts)
-
-    def _covariance(self, grads, delta) -> torch.Tensor:
-        return output_covariance(self._blocks, grads, delta, self.temperature)
-
     # -- evidence and prior precision ------------------------------------------------
-
-    def _resolve(self, prior_precision: PriorPrecision) -> dict[str, torch.Tensor]:
-        return resolve(self, prior_precision)
 
     def log_marginal_likelihood(self, prior_precision: PriorPrecision = None) -> torch.Tensor:
         """The Laplace evidence (see :mod:`~pyro_bdl.inference.laplace.evidence`).
@@ -560,8 +568,8 @@ class LaplaceGuide(GuideState, AutoGuide):
 
         :param prior_precision: evaluate at this :math:`\\delta` instead of the guide's.
         """
-        self._check_fitted()
-        return tuning.evidence(self, self._resolve(prior_precision))
+        fit = self.laplace_fit
+        return tuning.evidence(fit, fit.resolve(prior_precision))
 
     def optimize_prior_precision(
         self,
@@ -615,8 +623,8 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param bool progress: show a progress bar over the validation batches.
         :return: the new prior precision per site.
         """
-        return tuning.optimize_prior_precision(
-            self,
+        tuned = tuning.optimize_prior_precision(
+            self.laplace_fit,
             method,
             val_args,
             val_kwargs,
@@ -628,6 +636,8 @@ class LaplaceGuide(GuideState, AutoGuide):
             num_samples=num_samples,
             progress=progress,
         )
+        self._adopt(tuned)
+        return self.prior_precision
 
     def select_link(
         self,
@@ -655,9 +665,16 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param int num_samples: logit draws for ``"mc"``.
         :return: the best link and the mean validation NLL of each.
         """
-        return tuning.select_link(
-            self, val_args, val_kwargs, links=links, num_samples=num_samples, progress=progress
+        chosen, scores = tuning.select_link(
+            self.laplace_fit,
+            val_args,
+            val_kwargs,
+            links=links,
+            num_samples=num_samples,
+            progress=progress,
         )
+        self._adopt(chosen)
+        return chosen.link, scores
 
     # -- continual learning and export -----------------------------------------------
 
@@ -667,10 +684,11 @@ class LaplaceGuide(GuideState, AutoGuide):
         :param str prefix: the ``prefix`` of the :func:`~pyro_bdl.lift` call.
         """
         instance("prefix", prefix, str, "a string (the prefix given to bdl.lift)")
-        self._require_structure("as_prior (a prior for the weights of bdl.lift)")
-        blocks = {name: block.restrict(name) for block in self._blocks for name in block.sites}
-        loc = {name: value.clone() for name, value in self._loc.items()}
-        return LaplacePrior(loc, blocks, self._prior_precision, self.temperature, prefix)
+        fit = self.laplace_fit
+        fit.require_structure("as_prior (a prior for the weights of bdl.lift)")
+        blocks = {name: block.restrict(name) for block in fit.blocks for name in block.sites}
+        loc = {name: value.clone() for name, value in fit.loc.items()}
+        return LaplacePrior(loc, blocks, fit.prior_precision, fit.temperature, prefix)
 
     def approximation_parameters(self) -> dict[str, torch.Tensor]:
         """The Gaussian's parameters, for ``bdl.to_arviz``.
@@ -681,15 +699,15 @@ class LaplaceGuide(GuideState, AutoGuide):
         prior's own curvature), plus the curvature's own tensors (diagonals, Kronecker
         eigendecompositions, or the dense matrix).
         """
-        self._check_fitted()
-        variance = self.variance()
+        fit = self.laplace_fit
+        variance = fit.variance()
         result = {}
-        for name, loc in self._loc.items():
+        for name, loc in fit.loc.items():
             result[f"{name}.loc"] = loc.clone()
             result[f"{name}.scale"] = variance[name].sqrt()
-            if name in self._prior_precision:
-                result[f"{name}.prior_precision"] = self._prior_precision[name].clone()
-        for block in self._blocks:
+            if name in fit.prior_precision:
+                result[f"{name}.prior_precision"] = fit.prior_precision[name].clone()
+        for block in fit.blocks:
             result.update({key: value.detach().clone() for key, value in block.tensors().items()})
         return result
 
@@ -706,22 +724,27 @@ class LaplaceGuide(GuideState, AutoGuide):
         return cls(model, curvature, temperature=settings["temperature"])
 
     def _state(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        return laplace_state(self)
+        return laplace_state(self._fit, self.sites)
 
     def _restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
-        restore_laplace(self, state, tensors)
+        if not state.get("fitted"):
+            return
+        if self.prototype_trace is None:  # a bare torch load: the sites from the state
+            self.sites = saved_sites(state, tensors)
+        model = self._laplace_model[0]
+        self._adopt(restore_laplace(state, tensors, model, self.sites, self.temperature))
 
     def _site_shapes(self) -> dict[str, dict] | None:
-        if self._blocks is None:
+        if self._fit is None:
             return None  # unfitted: nothing to save, nothing to check a state against
         return {
             name: {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
-            for name, value in self._loc.items()
+            for name, value in self._fit.loc.items()
         }
 
     def hyperparameters(self) -> dict:
         """The guide's settings and evidence, JSON-serialisable."""
-        self._check_fitted()
+        fit = self.laplace_fit
         precision = {
             name: float(delta) if delta.numel() == 1 else "per-entry (from the model's prior)"
             for name, delta in self.prior_precision.items()
@@ -738,7 +761,7 @@ class LaplaceGuide(GuideState, AutoGuide):
             "temperature": self.temperature,
             "link": self.link,
             "num_data": self.num_data,
-            "num_params": sum(value.numel() for value in self._loc.values()),
+            "num_params": sum(value.numel() for value in fit.loc.values()),
             "prior_precision": values.pop() if len(values) == 1 else precision,
             "log_marginal_likelihood": float(self.log_marginal_likelihood().detach()),
         }

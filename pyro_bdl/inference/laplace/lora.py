@@ -49,7 +49,12 @@ def fit_laplace_lora(
        :meth:`~pyro_bdl.inference.LaplaceGuide.predictive`.
 
     The evidence tunes the prior from where the model's prior starts it: a fan-in-scaled
-    prior (:meth:`pyro_bdl.priors.LayerwiseNormal.fan_in`) is Laplace-LoRA's.
+    prior (:meth:`pyro_bdl.priors.LayerwiseNormal.fan_in`) is Laplace-LoRA's. This is the
+    one Laplace-LoRA recipe of the library: :class:`~pyro_bdl.hf.LaplaceCallback` calls it
+    too. The prior precision is always the evidence's, as in the paper, which needs no
+    validation data for it (section 3.2); validation data choose only among the links,
+    whose merits the paper found to depend on the model (Appendix A: ``"mc"`` best for
+    LLaMA2-7B). Without them, pass ``links=("mc",)``, the paper's choice.
 
     **References**
 

@@ -5,8 +5,9 @@ Linearising the network at the MAP, :math:`f_\theta(x_*) \approx f_{\theta_\text
 logits, :math:`f(x_*) \sim \mathcal{N}(f_{\theta_\text{MAP}}(x_*), \Lambda)` with
 :math:`\Lambda = J_* \Sigma J_*^\top` (Laplace-LoRA eqs. 10-12, 15-16). ``linearize`` gives
 :math:`\Lambda` from one vector-Jacobian product per class, at the model linearised by
-the fit's last curvature pass; this module maps :math:`(f, \Lambda)` to class
-probabilities (``glm_predictive`` is :meth:`~pyro_bdl.inference.LaplaceGuide.predictive`):
+the fit's last curvature pass (a :class:`~.approximation.LaplaceFit`); this module maps
+:math:`(f, \Lambda)` to class probabilities (``glm_predictive`` is
+:meth:`~pyro_bdl.inference.LaplaceGuide.predictive`):
 
 * ``"mc"`` (Appendix A.1, eq. 17): average the softmax of :math:`S` joint logit samples
   :math:`f + L\xi`, :math:`L L^\top = \Lambda`, the approximation Laplace-LoRA found best;
@@ -31,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pyro_bdl._checks import instance, integer, one_of
-from pyro_bdl.inference.laplace.jacobians import ModelJacobians
+from pyro_bdl.inference.laplace.approximation import LaplaceFit
 from pyro_bdl.inference.minibatch import Minibatches
 
 __all__ = [
@@ -40,7 +41,6 @@ __all__ = [
     "laplace_bridge",
     "mc_probabilities",
     "linearize",
-    "output_covariance",
     "output_distribution",
     "glm_predictive",
 ]
@@ -115,16 +115,17 @@ def link_probabilities(link, mean, covariance, num_samples, generator, contrasts
     return laplace_bridge(mean, covariance)
 
 
-def linearize(jacobians: ModelJacobians, args: tuple, kwargs: dict, contrasts: bool = False):
+def linearize(fit: LaplaceFit, args: tuple, kwargs: dict, contrasts: bool = False):
     """The linearised outputs at the MAP, their per-example Jacobian rows, the run.
 
     With ``contrasts`` the outputs are the ``C - 1`` logit differences
     :math:`f_k - f_C`: the softmax is shift invariant, so their Gaussian carries the
     whole MC predictive at one vector-Jacobian product fewer per batch.
 
-    :param jacobians: the model linearised at the MAP (the fit's curvature pass's).
+    :param fit: the fit, whose model linearised at the MAP is run.
     """
-    run = jacobians(args, kwargs, output="return")
+    fit.require_structure("the linearised (GLM) predictive")
+    run = fit.jacobians(args, kwargs, output="return")
     output = run.output
     if output.dim() != 2:
         raise ValueError(
@@ -138,28 +139,32 @@ def linearize(jacobians: ModelJacobians, args: tuple, kwargs: dict, contrasts: b
     return output.detach() @ rows.mT, run.gradients(columns), run
 
 
-def output_covariance(blocks, grads, delta, temperature: float) -> torch.Tensor:
-    r""":math:`\Lambda = T J_* P^{-1} J_*^\top`, block by block, ``(B, K, K)``."""
-    return temperature * sum(block.output_covariance(grads, delta) for block in blocks)
-
-
-def output_distribution(guide, args: tuple, kwargs: dict, delta) -> tuple[torch.Tensor, ...]:
+def output_distribution(fit: LaplaceFit, args: tuple, kwargs: dict, delta) -> tuple:
     """:meth:`LaplaceGuide.output_distribution <.guide.LaplaceGuide.output_distribution>`
     at the prior precision ``delta``."""
     means, covariances = [], []
     for batch_args, batch_kwargs in Minibatches(args, kwargs).one_pass():
-        mean, grads, _ = guide._linearize(batch_args, batch_kwargs)
+        mean, grads, _ = linearize(fit, batch_args, batch_kwargs)
         means.append(mean)
-        covariances.append(guide._covariance(grads, delta))
+        covariances.append(fit.output_covariance(grads, delta))
     return torch.cat(means), torch.cat(covariances)
 
 
 def glm_predictive(
-    guide, args, kwargs, *, link, num_samples, return_samples, generator, prior_precision, progress
+    fit: LaplaceFit,
+    args,
+    kwargs,
+    *,
+    link,
+    num_samples,
+    return_samples,
+    generator,
+    prior_precision,
+    progress,
 ) -> torch.Tensor:
     """:meth:`LaplaceGuide.predictive <.guide.LaplaceGuide.predictive>` (``link`` None:
-    the guide's) at ``prior_precision`` (None: the guide's)."""
-    link = one_of("link", guide.link if link is None else link, LINKS)
+    the fit's) at ``prior_precision`` (None: the fit's)."""
+    link = one_of("link", fit.link if link is None else link, LINKS)
     num_samples = integer("num_samples", num_samples, low=1)
     instance("return_samples", return_samples, bool, "True or False")
     if generator is not None:
@@ -167,11 +172,11 @@ def glm_predictive(
     instance("progress", progress, bool, "True or False")
     if return_samples and link != "mc":
         raise ValueError(f"return_samples=True needs link='mc', got link={link!r}")
-    delta = guide._resolve(prior_precision)
+    delta = fit.resolve(prior_precision)
     results = []
     for batch_args, batch_kwargs in one_pass(args, kwargs, "GLM predictive", progress):
-        mean, grads, _ = guide._linearize(batch_args, batch_kwargs, contrasts=link == "mc")
-        covariance = guide._covariance(grads, delta)
+        mean, grads, _ = linearize(fit, batch_args, batch_kwargs, contrasts=link == "mc")
+        covariance = fit.output_covariance(grads, delta)
         probs = link_probabilities(link, mean, covariance, num_samples, generator)
         results.append(probs if return_samples or link != "mc" else probs.mean(0))
     return torch.cat(results, dim=-2)

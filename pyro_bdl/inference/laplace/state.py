@@ -1,4 +1,5 @@
-"""A fitted Laplace approximation as JSON and tensors, and back (see :mod:`..guide_state`).
+"""A :class:`~.approximation.LaplaceFit` as JSON and tensors, and back (see
+:mod:`..guide_state`).
 
 The state is what :meth:`~.guide.LaplaceGuide.fit` and prior tuning leave: the MAP, the
 prior precision :math:`\\delta` and the model's normal prior (mean and precision), the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from pyro_bdl.inference.laplace.approximation import LaplaceFit
 from pyro_bdl.inference.laplace.curvature import (
     Curvature,
     Diagonal,
@@ -32,81 +34,96 @@ from pyro_bdl.inference.laplace.curvature import (
     KronLowRank,
 )
 from pyro_bdl.inference.laplace.curvature.factors import Eigen
-from pyro_bdl.inference.laplace.curvature_pass import CurvaturePass
 from pyro_bdl.inference.laplace.hessian import HessianBlock
 from pyro_bdl.inference.laplace.jacobians import ModelJacobians
+from pyro_bdl.inference.laplace.model_prior import ModelPrior
 from pyro_bdl.inference.sites import LatentSites
 
-__all__ = ["laplace_state", "restore_laplace", "curvature_from_settings"]
+__all__ = ["laplace_state", "saved_sites", "restore_laplace", "curvature_from_settings"]
 
 
-def laplace_state(guide) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The JSON and tensors of a fitted :class:`~.guide.LaplaceGuide` (empty if unfitted)."""
-    if guide._blocks is None:
+def laplace_state(fit: LaplaceFit | None, sites: LatentSites) -> tuple[dict, dict]:
+    """The JSON and tensors of a fit (empty if None) of the latent ``sites``."""
+    if fit is None:
         return {"fitted": False}, {}
-    tensors = {"log_likelihood": torch.as_tensor(guide._log_likelihood).detach()}
-    for name, loc in guide._loc.items():
+    tensors = {"log_likelihood": torch.as_tensor(fit.log_likelihood).detach()}
+    for name, loc in fit.loc.items():
         tensors[f"loc/{name}"] = loc
-        if name in guide._prior_precision:
-            tensors[f"prior_precision/{name}"] = guide._prior_precision[name]
-        if name in guide._model_precision:
-            tensors[f"model_precision/{name}"] = _unexpanded(guide._model_precision[name])
-            tensors[f"prior_loc/{name}"] = _unexpanded(guide._prior_loc[name])
-        if guide._gradient is not None:
-            tensors[f"gradient/{name}"] = guide._gradient[name]
+        if name in fit.prior_precision:
+            tensors[f"prior_precision/{name}"] = fit.prior_precision[name]
+        if name in fit.prior.precision:
+            tensors[f"model_precision/{name}"] = _unexpanded(fit.prior.precision[name])
+            tensors[f"prior_loc/{name}"] = _unexpanded(fit.prior.loc[name])
+        if fit.gradient is not None:
+            tensors[f"gradient/{name}"] = fit.gradient[name]
     factors: dict[int, int] = {}
-    blocks = [_block_state(i, block, tensors, factors) for i, block in enumerate(guide._blocks)]
+    blocks = [_block_state(i, block, tensors, factors) for i, block in enumerate(fit.blocks)]
     state = {
         "fitted": True,
-        "link": guide.link,
-        "num_data": guide.num_data,
-        "sites": list(guide._loc),
-        "gradient": guide._gradient is not None,
+        "link": fit.link,
+        "num_data": fit.num_data,
+        "sites": list(fit.loc),
+        "gradient": fit.gradient is not None,
         "blocks": blocks,
-        "exact_hessian_reason": guide.exact_hessian_reason,
-        "all_real": guide.sites.all_real,
+        "exact_hessian_reason": fit.exact_hessian_reason,
+        "all_real": sites.all_real,
     }
     return state, tensors
 
 
-def restore_laplace(guide, state: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Set a :class:`~.guide.LaplaceGuide` to the state :func:`laplace_state` gave."""
-    if not state.get("fitted"):
-        return
+def saved_sites(state: dict, tensors: dict[str, torch.Tensor]) -> LatentSites:
+    """The latent sites of a saved fit, for a guide that has not run its model (a bare
+    torch load): real sites of the saved shapes, or a refusal by name."""
+    loc = {name: tensors[f"loc/{name}"] for name in state["sites"]}
+    others = [name for name in loc if f"model_precision/{name}" not in tensors]
+    if state.get("exact_hessian_reason") is not None or not state.get("all_real", True):
+        what = "have constrained supports or it is an exact-Hessian fit, whose transforms"
+    elif others:
+        what = f"include {others[0]!r}, whose prior is not a Normal: its log density"
+    else:
+        return LatentSites.real(loc, "LaplaceGuide")
+    raise RuntimeError(
+        f"LaplaceGuide.load_state_dict: this fit's sites {what} come from the model: call "
+        "the guide once with the model's arguments before loading, or use bdl.load"
+    )
+
+
+def restore_laplace(
+    state: dict, tensors: dict[str, torch.Tensor], model, sites: LatentSites, temperature: float
+) -> LaplaceFit:
+    """The fit :func:`laplace_state` saved, for ``model`` with latent ``sites``."""
     loc = {name: tensors[f"loc/{name}"] for name in state["sites"]}
     reason = state.get("exact_hessian_reason")
-    if guide.prototype_trace is None:  # a bare torch load: the sites from the state
-        if reason is not None or not state.get("all_real", True):
-            raise RuntimeError(
-                "LaplaceGuide.load_state_dict: this fit's sites have constrained supports "
-                "or it is an exact-Hessian fit, whose transforms come from the model: call "
-                "the guide once with the model's arguments before loading, or use bdl.load"
-            )
-        guide.sites = LatentSites.real(loc, "LaplaceGuide")
-    guide.exact_hessian_reason = reason
-    guide._loc = loc
-    guide._prior_precision = {
-        name: tensors[f"prior_precision/{name}"]
-        for name in loc
-        if f"prior_precision/{name}" in tensors
-    }
     normal = [name for name in loc if f"model_precision/{name}" in tensors]
-    guide._model_precision = {
-        name: tensors[f"model_precision/{name}"].expand(loc[name].shape) for name in normal
-    }
-    guide._prior_loc = {
-        name: tensors[f"prior_loc/{name}"].expand(loc[name].shape) for name in normal
-    }
-    guide.link = state["link"]
+    others = {} if reason else {name: sites[name] for name in loc if name not in normal}
+    prior = ModelPrior(
+        loc={name: tensors[f"prior_loc/{name}"].expand(loc[name].shape) for name in normal},
+        precision={
+            name: tensors[f"model_precision/{name}"].expand(loc[name].shape) for name in normal
+        },
+        others=others,
+        exact_hessian_reason=reason,
+    )
     factors: dict[int, Eigen] = {}
-    CurvaturePass(
-        blocks=[_make_block(i, entry, tensors, factors) for i, entry in enumerate(state["blocks"])],
+    return LaplaceFit(
+        loc=loc,
+        blocks=tuple(
+            _make_block(i, entry, tensors, factors) for i, entry in enumerate(state["blocks"])
+        ),
+        prior_precision={
+            name: tensors[f"prior_precision/{name}"]
+            for name in loc
+            if f"prior_precision/{name}" in tensors
+        },
+        prior=prior,
         log_likelihood=tensors["log_likelihood"],
         num_data=state["num_data"],
+        temperature=temperature,
         gradient={name: tensors[f"gradient/{name}"] for name in loc} if state["gradient"] else None,
         # the model linearised at the loaded MAP, for the predictive
-        jacobians=None if reason else ModelJacobians(guide._laplace_model[0], loc),
-    ).adopt(guide)
+        jacobians=None if reason else ModelJacobians(model, loc),
+        link=state["link"],
+    )
 
 
 def _block_state(index: int, block, tensors: dict, factors: dict[int, int]) -> dict:

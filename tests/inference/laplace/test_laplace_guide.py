@@ -34,7 +34,7 @@ def test_draws_have_the_covariance_of_the_precision(helpers, curvature):
     num_draws = 20000
     draws = guide.sample_posterior(num_draws, torch.Generator().manual_seed(0))
     loc = guide.median()
-    for block in guide._blocks:
+    for block in guide.laplace_fit.blocks:
         covariance = 0.5 * torch.linalg.inv(helpers.dense_precision(block, guide.prior_precision))
         flat = torch.cat([(draws[s] - loc[s]).flatten(1) for s in block.sites], 1)
         estimate = flat.T @ flat / num_draws
@@ -56,7 +56,7 @@ def test_get_posterior_is_the_gaussian_of_the_flat_latent_vector(helpers, curvat
     sizes = {site: loc[site].numel() for site in guide.sites}
     starts = dict(zip(sizes, [0, *torch.tensor(list(sizes.values())).cumsum(0).tolist()]))
     covariance = torch.zeros(sum(sizes.values()), sum(sizes.values()))
-    for block in guide._blocks:
+    for block in guide.laplace_fit.blocks:
         index = torch.cat([torch.arange(starts[s], starts[s] + sizes[s]) for s in block.sites])
         inverse = torch.linalg.inv(helpers.dense_precision(block, guide.prior_precision))
         covariance[index.unsqueeze(-1), index] = 0.5 * inverse
@@ -86,7 +86,7 @@ def test_the_guide_trace_has_the_gaussian_log_density(helpers, curvature):
     trace = pyro.poutine.trace(guide).get_trace((x, y), len(x))
     loc = guide.median()
     log_density = 0.0
-    for block in guide._blocks:
+    for block in guide.laplace_fit.blocks:
         precision = helpers.dense_precision(block, guide.prior_precision)
         flat = torch.cat([(trace.nodes[s]["value"] - loc[s]).flatten() for s in block.sites])
         gaussian = dist.MultivariateNormal(torch.zeros_like(flat), precision_matrix=precision)

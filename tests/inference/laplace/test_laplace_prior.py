@@ -59,7 +59,7 @@ def test_block_prior_has_the_gaussian_density(helpers, curvature):
     param = network[2].weight
     distribution = prior.distribution("2.weight", param)
     assert distribution.event_shape == param.shape and distribution.batch_shape == ()
-    block = guide._blocks[0 if curvature == "full" else 1].restrict("2.weight")
+    block = guide.laplace_fit.blocks[0 if curvature == "full" else 1].restrict("2.weight")
     precision = helpers.dense_precision(block, guide.prior_precision) / 0.5
     gaussian = dist.MultivariateNormal(param.detach().flatten(), precision_matrix=precision)
     value = torch.randn(4, *param.shape)

@@ -66,8 +66,8 @@ def _auto_laplace(model, args, kwargs):
 
 
 def _covariance(guide, helpers):
-    (block,) = guide._blocks
-    return torch.linalg.inv(helpers.dense_precision(block, guide._prior_precision))
+    (block,) = guide.laplace_fit.blocks
+    return torch.linalg.inv(helpers.dense_precision(block, guide.laplace_fit.prior_precision))
 
 
 @pytest.mark.parametrize("name", LAPLACE_MODELS)
@@ -76,7 +76,7 @@ def test_full_matches_auto_laplace_approximation(name, helpers):
     pyro.set_rng_seed(0)
     guide = _fit(*entry.make())
     loc, covariance = _auto_laplace(*entry.make(full_batch=True))
-    torch.testing.assert_close(guide.sites.pack(guide._loc), loc, **TOLERANCE)
+    torch.testing.assert_close(guide.sites.pack(guide.laplace_fit.loc), loc, **TOLERANCE)
     torch.testing.assert_close(_covariance(guide, helpers), covariance, **TOLERANCE)
     if entry.exact is not None:  # and both equal the closed form
         mean, exact = entry.exact()
@@ -116,7 +116,9 @@ def test_the_structured_curvatures_on_a_subsampled_logistic_regression(helpers):
     model, args, kwargs = MODELS["logistic_subsample"].make()
     full = _fit(model, args, kwargs)
     assert full.exact_hessian_reason is None and full.num_data == 230
-    precision = helpers.dense_precision(full._blocks[0], full._prior_precision)
+    precision = helpers.dense_precision(
+        full.laplace_fit.blocks[0], full.laplace_fit.prior_precision
+    )
     x, y = args
     mode = full.median()
     diagonal = LaplaceGuide(model, "diag_ggn").fit(*args, map=mode, progress=False, **kwargs)
@@ -145,7 +147,7 @@ def test_a_real_prior_that_is_not_normal_adds_its_own_curvature(helpers):
     guide = _fit(model, (x, y), {})
     assert guide.exact_hessian_reason is None and set(guide.prior_precision) == set()
     loc, covariance = _auto_laplace(model, (x, y), {})
-    torch.testing.assert_close(guide.sites.pack(guide._loc), loc, **TOLERANCE)
+    torch.testing.assert_close(guide.sites.pack(guide.laplace_fit.loc), loc, **TOLERANCE)
     torch.testing.assert_close(_covariance(guide, helpers), covariance, **TOLERANCE)
     net = bdl.lift(torch.nn.Linear(3, 1).double(), prior=_LogisticPrior())
 
@@ -187,7 +189,7 @@ def test_several_likelihood_terms_and_the_evidence_of_the_exact_hessian():
     precision = torch.eye(2) + design.T @ torch.linalg.solve(noise, design)
     mean = torch.linalg.solve(precision, design.T @ torch.linalg.solve(noise, targets))
     torch.testing.assert_close(guide.median()["w"], mean)
-    torch.testing.assert_close(guide._blocks[0].curvature, precision)
+    torch.testing.assert_close(guide.laplace_fit.blocks[0].curvature, precision)
     evidence = dist.MultivariateNormal(torch.zeros(21), noise + design @ design.T)
     torch.testing.assert_close(guide.log_marginal_likelihood(), evidence.log_prob(targets))
 

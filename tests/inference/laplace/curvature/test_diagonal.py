@@ -30,7 +30,7 @@ def test_matches_laplace_torch_on_an_mlp(curvature, backend, helpers, laplace_to
     # Our minibatches of 16 (the last one short) must sum to laplace-torch's full batch.
     guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), len(x), map=False, progress=False)
 
-    ours = torch.cat([block.curvature.flatten() for block in guide._blocks])
+    ours = torch.cat([block.curvature.flatten() for block in guide.laplace_fit.blocks])
     assert torch.allclose(ours, reference.H, rtol=1e-4, atol=1e-10)
     assert torch.allclose(
         guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4
@@ -45,7 +45,7 @@ def test_diagonal_ggn_is_the_exact_diagonal_precision(linear_gaussian, helpers):
     problem = linear_gaussian
     guide = LaplaceGuide(problem.model, curvature="diag_ggn")
     guide.fit(problem.loader(), problem.num_data, map={"w": problem.mean}, progress=False)
-    (block,) = guide._blocks
+    (block,) = guide.laplace_fit.blocks
     precision = helpers.dense_precision(block, guide.prior_precision)
     assert torch.allclose(precision, torch.diag(problem.precision.diagonal()), atol=1e-10)
     assert torch.allclose(guide.variance()["w"], 1 / problem.precision.diagonal(), atol=1e-12)

@@ -142,7 +142,7 @@ def test_factors_wider_than_max_dense_are_sketched(helpers, data_rank, exact):
         guides[name] = LaplaceGuide(helpers.classifier(net), curvature=curvature)
         loader = DataLoader(TensorDataset(x, y), batch_size=8)
         guides[name].fit(loader, len(x), map=False, progress=False)
-    (block,) = guides["sketched"]._blocks
+    (block,) = guides["sketched"].laplace_fit.blocks
     assert block.input_factor.rank == 4 and block.complement == 3 * (30 - 4)
     # the sketch and its test matrix (30 x (2k + 8) each) and the 3 x 3 output factor
     assert guides["sketched"].curvature.memory()["0.weight"] == 2 * 30 * 16 + 3 * 3

@@ -15,7 +15,9 @@ def test_equals_the_exact_posterior_of_a_linear_gaussian_model(linear_gaussian):
     guide.fit(problem.loader(), problem.num_data, num_steps=0, progress=False)
     assert torch.allclose(guide.median()["w"], problem.mean, atol=1e-6)
     # Row i of the draws of the unit vectors is R e_i for the root R R^T = Sigma.
-    rows = guide._blocks[0].sample({"w": torch.eye(problem.dim)}, guide.prior_precision)["w"]
+    rows = guide.laplace_fit.blocks[0].sample({"w": torch.eye(problem.dim)}, guide.prior_precision)[
+        "w"
+    ]
     assert torch.allclose(rows.T @ rows, problem.covariance, atol=1e-6)
     assert torch.allclose(guide.variance()["w"], problem.covariance.diagonal(), atol=1e-6)
 

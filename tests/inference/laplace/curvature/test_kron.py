@@ -34,7 +34,7 @@ def test_matches_laplace_torch_on_an_mlp(fisher, backend, helpers, laplace_torch
     guide = LaplaceGuide(helpers.classifier(net), curvature=Kron(fisher=fisher))
     guide.fit(DataLoader(TensorDataset(x, y), batch_size=20), len(x), map=False, progress=False)
 
-    assert all(isinstance(block, KronBlock) for block in guide._blocks)
+    assert all(isinstance(block, KronBlock) for block in guide.laplace_fit.blocks)
     assert torch.allclose(
         guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4
     )
@@ -103,14 +103,16 @@ def test_tokens_share_the_weight_by_the_expand_convention(helpers, laplace_torch
     guide.fit(
         DataLoader(rows, batch_size=8, collate_fn=collate), num_data, map=False, progress=False
     )
-    assert sum(isinstance(block, KronBlock) for block in guide._blocks) == 9  # 8 LoRA + head
+    assert (
+        sum(isinstance(block, KronBlock) for block in guide.laplace_fit.blocks) == 9
+    )  # 8 LoRA + head
     # Factor by factor: each site's curvature (its precision less the prior) against
     # laplace-torch's Kronecker block of that parameter, relative to its own size.
     names = [name for name, p in reference.model.named_parameters() if p.requires_grad]
     sizes = [p.numel() for p in reference.model.parameters() if p.requires_grad]
     offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     curvature = reference.H.to_matrix()
-    for block in guide._blocks:
+    for block in guide.laplace_fit.blocks:
         (site,) = block.sites
         (index,) = [i for i, name in enumerate(names) if name.endswith("." + site)]
         theirs = curvature[offsets[index] : offsets[index + 1], offsets[index] : offsets[index + 1]]
@@ -136,7 +138,7 @@ def test_biases_get_a_diagonal_ggn_block(helpers):
     )
     diagonal = LaplaceGuide(helpers.classifier(net), curvature="diag_ggn")
     diagonal.fit(loader, len(x), map=False, progress=False)
-    kinds = {block.sites[0]: type(block) for block in kron._blocks}
+    kinds = {block.sites[0]: type(block) for block in kron.laplace_fit.blocks}
     assert kinds == {
         "0.weight": KronBlock,
         "0.bias": DiagonalBlock,
@@ -217,7 +219,9 @@ def test_a_convolution_is_factored_as_laplace_torch_does(helpers, laplace_torch)
     net = bdl.lift(network, prior=bdl.priors.IIDNormal(2.0**-0.5))
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
     guide.fit(DataLoader(TensorDataset(x, y), batch_size=8), 30, map=False, progress=False)
-    assert isinstance(guide._blocks[0], KronBlock) and guide._blocks[0].shape == (3, 2, 3, 3)
+    assert isinstance(guide.laplace_fit.blocks[0], KronBlock) and guide.laplace_fit.blocks[
+        0
+    ].shape == (3, 2, 3, 3)
     assert torch.allclose(
         guide.log_marginal_likelihood(), reference.log_marginal_likelihood(), rtol=1e-4
     )
@@ -225,7 +229,7 @@ def test_a_convolution_is_factored_as_laplace_torch_does(helpers, laplace_torch)
     _, f_covariance = reference._glm_predictive_distribution(x)
     assert torch.allclose(covariance, f_covariance, rtol=1e-4, atol=1e-10)
     # The kernel-shaped block samples with the covariance of its precision.
-    block, delta = guide._blocks[0], guide.prior_precision
+    block, delta = guide.laplace_fit.blocks[0], guide.prior_precision
     covariance = torch.linalg.inv(helpers.dense_precision(block, delta))
     rows = block.sample({block.site: torch.eye(54).reshape(54, 3, 2, 3, 3)}, delta)[block.site]
     assert torch.allclose(rows.reshape(54, 54) @ rows.reshape(54, 54).T, covariance, atol=1e-10)
@@ -251,7 +255,7 @@ def test_scalar_and_vector_sites_fall_back_to_the_exact_diagonal(curvature, line
     for name in (curvature, "diag_ggn"):
         guides[name] = LaplaceGuide(model, curvature=name)
         guides[name].fit(problem.loader(), problem.num_data, map=False, progress=False)
-    assert all(isinstance(block, DiagonalBlock) for block in guides[curvature]._blocks)
+    assert all(isinstance(block, DiagonalBlock) for block in guides[curvature].laplace_fit.blocks)
     for site, variance in guides["diag_ggn"].variance().items():
         torch.testing.assert_close(guides[curvature].variance()[site], variance)
     x = problem.x
@@ -285,7 +289,7 @@ def test_layers_reading_one_input_share_one_input_factor(helpers, laplace_torch)
     net = bdl.lift(_TwoHeads(), bdl.priors.IIDNormal(1.0), random=heads)
     guide = LaplaceGuide(helpers.classifier(net), curvature="kron")
     guide.fit(DataLoader(TensorDataset(x, y), batch_size=16), len(x), map=False, progress=False)
-    left, right = guide._blocks
+    left, right = guide.laplace_fit.blocks
     assert left.input_factor is right.input_factor  # one factor, decomposed once
     # the same posterior as two separately accumulated factors (laplace-torch's way)
     module = copy.deepcopy(net.module)
@@ -336,7 +340,7 @@ def test_monte_carlo_fisher_converges_to_the_ggn(helpers):
         torch.manual_seed(0)
         guide = LaplaceGuide(helpers.classifier(net), curvature=curvature)
         fits[name] = guide.fit(loader, len(x), map=False, progress=False)
-    for exact, sampled in zip(fits["ggn"]._blocks, fits["mc"]._blocks):
+    for exact, sampled in zip(fits["ggn"].laplace_fit.blocks, fits["mc"].laplace_fit.blocks):
         delta = fits["ggn"].prior_precision
         exact_matrix = helpers.dense_precision(exact, delta)
         sampled_matrix = helpers.dense_precision(sampled, delta)

@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import pyro_bdl as bdl
 from pyro_bdl.inference import Kron, KronLowRank, LaplaceGuide
 from pyro_bdl.inference.laplace.jacobians import DenseGradient
+from pyro_bdl.inference.laplace.predictive import linearize
 
 
 def fit(helpers, network, curvature, x, y, batch_size=16):
@@ -39,7 +40,7 @@ def test_incremental_svd_is_exact_when_the_data_have_rank_k(helpers):
     network = torch.nn.Sequential(torch.nn.Linear(30, 3, bias=False))
     kron = fit(helpers, network, "kron", x, y, batch_size=7)
     lowrank = fit(helpers, network, KronLowRank(rank=4), x, y, batch_size=7)
-    (block,) = lowrank._blocks
+    (block,) = lowrank.laplace_fit.blocks
     assert block.input_vectors.shape == (30, 4) and block.complement == 3 * 26
     assert torch.allclose(lowrank.log_marginal_likelihood(), kron.log_marginal_likelihood())
     assert torch.allclose(lowrank.variance()["0.weight"], kron.variance()["0.weight"])
@@ -62,7 +63,7 @@ def test_memory_is_k_times_the_layer_widths(helpers):
         assert kron.curvature.memory()[site] == d_in**2 + d_out**2
     assert lowrank.curvature.memory()["0.weight"] == 2 * sketch * (40 + 30)
     # what the fit keeps: k eigenpairs per wide factor
-    block = lowrank._blocks[0]
+    block = lowrank.laplace_fit.blocks[0]
     assert block.input_vectors.shape == (40, rank) and block.output_vectors.shape == (30, rank)
 
 
@@ -70,10 +71,10 @@ def test_truncated_factors_give_the_same_covariance_factored_or_dense(helpers):
     network = helpers.mlp(bias=False, hidden=12)
     x, y = helpers.classification_data()
     guide = fit(helpers, network, KronLowRank(rank=3), x, y)
-    assert all(block.complement > 0 for block in guide._blocks)
-    _, grads, _ = guide._linearize(((x[:7], y[:7]), 7), {})
+    assert all(block.complement > 0 for block in guide.laplace_fit.blocks)
+    _, grads, _ = linearize(guide.laplace_fit, ((x[:7], y[:7]), 7), {})
     delta = guide.prior_precision
-    for block in guide._blocks:
+    for block in guide.laplace_fit.blocks:
         dense = {name: DenseGradient(grad.per_example()) for name, grad in grads.items()}
         assert torch.allclose(
             block.output_covariance(grads, delta), block.output_covariance(dense, delta)
