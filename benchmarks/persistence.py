@@ -10,6 +10,10 @@ head; synthetic batches of 32 x 64 tokens: the cost depends on shapes, not words
   ``--rounds`` runs. Target: load under 2 % of the fit.
 * the directory's bytes against the factors' own (the eigendecompositions the guide holds
   in memory, each shared factor once). Target: within 1.5x.
+* what verifying costs: ``bdl.load`` hashes every file (SHA-256) before reading it; the
+  hash of a file of the 7B posterior's size (random bytes, the least of ``--rounds``,
+  read from the page cache as a load right after a copy reads it), and its share of the
+  MiniLM load.
 
 The 7B size is arithmetic, never built: Llama-2-7B (32 layers, width 4096) with LoRA
 r 8 on q_proj and v_proj, under ``Kron``'s defaults (a factor wider than ``max_dense =
@@ -22,6 +26,7 @@ Run: ``python benchmarks/persistence.py [--batches 64] [--rounds 3] [--threads 1
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 import warnings
@@ -33,6 +38,7 @@ from torch.utils.data import DataLoader
 import pyro_bdl as bdl
 from pyro_bdl.inference import LaplaceGuide
 from pyro_bdl.inference.laplace.state import laplace_state
+from pyro_bdl.persistence import _sha256
 
 BATCH, LENGTH = 32, 64
 
@@ -58,6 +64,16 @@ def timed(function) -> tuple[float, object]:
 def least(function, rounds: int) -> tuple[float, object]:
     runs = [timed(function) for _ in range(rounds)]
     return min(seconds for seconds, _ in runs), runs[-1][1]
+
+
+def hash_seconds(size: int, rounds: int) -> float:
+    """The least time of ``rounds`` SHA-256s of a ``size``-byte file (what load verifies)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "posterior.safetensors"
+        with path.open("wb") as handle:
+            for start in range(0, size, 1 << 24):
+                handle.write(os.urandom(min(1 << 24, size - start)))
+        return least(lambda: _sha256(path), rounds)[0]
 
 
 def factor_bytes(guide) -> int:
@@ -142,6 +158,12 @@ def main() -> None:
     print(f"  factors {curvature / 1e6:.1f} MB, MAP {means / 1e6:.1f} MB; posterior.safetensors "
           f"{saved / 1e6:.1f} MB, with the peft adapter {(saved + means) / 1e6:.1f} MB "
           f"({(saved + means) / curvature:.2f}x the factors)")  # fmt: skip
+    minilm_hash = sum(hash_seconds(size, options.rounds) for size in files.values())
+    llama_bytes = int(saved + means)
+    llama_hash = hash_seconds(llama_bytes, options.rounds)
+    print(f"verifying (SHA-256 of every file at load): MiniLM {minilm_hash:.3f} s "
+          f"({minilm_hash / load:.1%} of its load); the 7B posterior's {llama_bytes / 1e6:.1f} MB "
+          f"{llama_hash:.3f} s ({llama_bytes / 1e6 / llama_hash:.0f} MB/s)")  # fmt: skip
 
 
 if __name__ == "__main__":

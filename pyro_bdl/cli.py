@@ -2,8 +2,10 @@
 
 Every bad argument ends the command with one line on stderr, ``pyro-bdl: error: ...``,
 and exit status 2, before any work: unknown commands, a ``--data-dir`` that is not a
-directory, an ``--out`` that is a file, a negative seed. A malformed data file found later
-ends with one line and status 1.
+directory, an ``--out`` that is a file, a negative seed, and a demo that lacks what it needs
+(SST-2 nowhere to be found and the Hub unreachable, a missing package: the demo's
+:class:`~pyro_bdl.demo.DemoSetupError`, which says what to pass). A malformed data file
+found later ends with one line and status 1.
 
 The experiments are not part of the installed package: ``pyro-bdl experiment ...`` hands
 its arguments to the command registered under that name in the ``pyro_bdl.commands``
@@ -109,7 +111,13 @@ def _parser() -> Parser:
     demo.add_argument(
         "--data-dir",
         type=data_directory,
-        help="folder with sst2/ for the LoRA language-model part (skipped without)",
+        help="folder with sst2/ for the LoRA language-model part (default: the copy in "
+        "~/.cache/pyro_bdl, fetched there once if the Hugging Face Hub answers)",
+    )
+    demo.add_argument(
+        "--skip-lora",
+        action="store_true",
+        help="run the MCMC tour alone (results.json records the LoRA part as skipped)",
     )
     # The experiments are a package of the repository, not of the library: the command
     # hands its arguments to them, and says how to get them where they are missing.
@@ -176,7 +184,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         # a package of the demo extra (scikit-learn's digits, ...): say which extra
         sys.exit(f"pyro-bdl: error: the demo needs {error.name}: pip install 'pyro-bdl[demo]'")
     try:
-        run_demo(args.out, seed=args.seed, quick=args.quick, data_dir=args.data_dir)
+        from pyro_bdl.demo import DemoSetupError
+
+        run_demo(
+            args.out,
+            seed=args.seed,
+            quick=args.quick,
+            data_dir=args.data_dir,
+            skip_lora=args.skip_lora,
+        )
+    except DemoSetupError as error:  # found before any work: what to pass, status 2
+        print(f"pyro-bdl demo: error: {error}", file=sys.stderr)
+        sys.exit(2)
     except (ValueError, FileNotFoundError) as error:  # malformed data: one line
         sys.exit(f"pyro-bdl: error: {error}")
 

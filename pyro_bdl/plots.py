@@ -89,8 +89,11 @@ def reliability_diagram(
             count_ax.set_ylabel("count")
     if title:
         fig.suptitle(title)
-    fig.legend(handles=_reliability_legend(min_count), loc="outside lower center", ncols=3)
-    fig.savefig(path, format="png")
+    # One legend row across three or more panels, one entry a row under fewer; the saved
+    # canvas grows to whatever the legend needs, so no label is ever cut at the edge.
+    legend = _reliability_legend(min_count)
+    fig.legend(handles=legend, loc="outside lower center", ncols=3 if columns >= 3 else 1)
+    fig.savefig(path, format="png", bbox_inches="tight", pad_inches=0.1)
     return path
 
 

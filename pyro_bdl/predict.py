@@ -29,6 +29,7 @@ from pyro.poutine.util import site_is_subsample
 from pyro_bdl._checks import function, integer
 from pyro_bdl._draws import draw_at, num_draws
 from pyro_bdl.likelihoods import _device, _parameter
+from pyro_bdl.model_checks import check_model_guide, check_site_shapes
 
 __all__ = ["predict_proba", "condition_on_sites", "posterior_size", "guide_draw"]
 
@@ -51,6 +52,11 @@ def predict_proba(
     ``net.fixed(...)``). The observation site is left unobserved and ignored: only the
     returned logits count.
 
+    The first draw runs traced and checked (:mod:`pyro_bdl.model_checks`): a site whose log
+    density does not fit its plates is a :class:`~pyro_bdl.model_checks.SiteShapeError`;
+    with a guide, Pyro's ``check_model_guide_match`` runs too, and a latent site of the model
+    that the guide does not sample (drawn from its prior at every draw) warns.
+
     Example::
 
         probs = predict_proba(model, batch, num_data, samples=mcmc.get_samples())
@@ -66,14 +72,17 @@ def predict_proba(
     count = posterior_size("predict_proba", samples, guide, num_samples)
     with torch.no_grad():
         if count is None:
-            logits = pyro.poutine.trace(model).get_trace(*args, **kwargs).nodes["_RETURN"]
-            return torch.softmax(_checked_logits(logits["value"]), dim=-1).unsqueeze(0)
+            trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
+            check_site_shapes(trace, "predict_proba")
+            logits = trace.nodes["_RETURN"]["value"]
+            return torch.softmax(_checked_logits(logits), dim=-1).unsqueeze(0)
         draws = []
         for i in range(count):
+            first = i == 0  # the model is checked on its first draw, once per call
             if samples is not None:
-                logits = condition_on_sites(model, draw_at(samples, i))(*args, **kwargs)
+                logits = _draw_logits(model, draw_at(samples, i), args, kwargs, first)
             else:
-                logits = _guide_logits(model, guide, args, kwargs)
+                logits = _guide_logits(model, guide, args, kwargs, first)
             draws.append(torch.softmax(_checked_logits(logits), dim=-1))
         return torch.stack(draws)
 
@@ -180,9 +189,23 @@ def _checked_logits(logits: object) -> torch.Tensor:
     return logits
 
 
-def _guide_logits(model: Callable, guide: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+def _draw_logits(model: Callable, values: Mapping, args: tuple, kwargs: dict, check: bool):
+    conditioned = condition_on_sites(model, values)
+    if not check:
+        return conditioned(*args, **kwargs)
+    trace = pyro.poutine.trace(conditioned).get_trace(*args, **kwargs)
+    check_site_shapes(trace, "predict_proba")
+    return trace.nodes["_RETURN"]["value"]
+
+
+def _guide_logits(model: Callable, guide: Callable, args: tuple, kwargs: dict, check: bool):
     # What Predictive(model, guide=guide) does for one draw: run the guide, replay the
     # model on its values. One draw at a time keeps memory at one forward pass.
     guide_trace = pyro.poutine.trace(guide).get_trace(*args, **kwargs)
     replayed = pyro.poutine.replay(model, trace=guide_trace)
-    return replayed(*args, **kwargs)
+    if not check:
+        return replayed(*args, **kwargs)
+    model_trace = pyro.poutine.trace(replayed).get_trace(*args, **kwargs)
+    observed = getattr(guide, "observed_sites", None)  # the sites the guide's fit observed
+    check_model_guide(model_trace, guide_trace, "predict_proba", observed)
+    return model_trace.nodes["_RETURN"]["value"]

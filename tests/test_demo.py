@@ -1,44 +1,19 @@
+import importlib.util
 import json
+import logging
+import time
+import urllib.error
+import urllib.request
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-import xarray as xr
 
 import pyro_bdl as bdl
-from pyro_bdl import data
+from pyro_bdl import data, demo
 from pyro_bdl.cli import main
-from pyro_bdl.demo import _TRACED, _diagnose, _sst2_root
-
-
-@pytest.mark.slow
-def test_quick_demo_writes_its_results(tmp_path, capsys, shared_data):
-    main(["demo", "--out", str(tmp_path), "--quick", "--data-dir", str(shared_data)])
-    printed = capsys.readouterr().err  # the report, through the pyro_bdl logger
-    results = json.loads((tmp_path / "results.json").read_text())
-    links = ("mc", "probit", "bridge")
-    assert set(results["methods"]) == {"MAP"}
-    lora = {"MAP", "SGHMC (2 chains from the MAP, T=1)"}
-    assert set(results["lora_methods"]) - lora in [{f"Laplace-LoRA ({link})"} for link in links]
-    choice = results["lora_choices"]["Laplace-LoRA link"]  # the best on validation data
-    assert choice["chosen"] == min(choice["validation NLL"], key=choice["validation NLL"].get)
-    assert f"Laplace-LoRA link = {choice['chosen']}" in printed
-    assert 0 <= results["lora_methods"]["MAP"]["train_accuracy"] <= 1
-    for name, values in {**results["methods"], **results["lora_methods"]}.items():
-        assert f"| {name} |" in printed
-        assert 0.0 <= values["accuracy"] <= 1.0 and 0.0 <= values["ece"] <= 1.0, name
-        assert values["nll"] > 0, name
-    assert results["methods"]["MAP"]["accuracy"] > 0.8  # the digits are easy
-    assert results["sghmc"]["accuracy"] > 0.8 and f"NLL {results['sghmc']['nll']:.3f}" in printed
-    diagnostics = results["diagnostics"]  # every weight's R-hat and ESS, summarised
-    assert diagnostics["weights"] == 64 * 64 + 64 + 64 * 10 + 10
-    assert diagnostics["r_hat_max"] >= 1 and diagnostics["ess_bulk_min"] > 0
-    assert "r_hat" in printed and "ess_bulk" in printed and "2.bias[" in printed
-    for figure in ("trace.png", "reliability.png", "reliability_lora.png"):
-        assert (tmp_path / figure).read_bytes()[:4] == b"\x89PNG"
-    tree = xr.open_datatree(tmp_path / "posterior.nc", engine="h5netcdf")
-    assert {"posterior", "sample_stats", "log_likelihood"} <= set(tree.children)
-    assert tree["posterior"].sizes["chain"] == 2
+from pyro_bdl.demo import _TRACED, DemoSetupError, _diagnose, _sst2_root, run_demo
 
 
 def test_r_hat_above_1_01_warns_with_the_count():
@@ -75,6 +50,7 @@ def test_sst2_is_fetched_once_into_the_cache_where_no_data_dir_has_it(tmp_path, 
     datasets = pytest.importorskip("datasets")
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", _fake_sst2(calls))
+    monkeypatch.setattr(demo, "_hub_unreachable", lambda: None)  # the Hub answers
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = _sst2_root(tmp_path / "empty")
     assert root == tmp_path / "cache" / "pyro_bdl" and calls == [("nyu-mll/glue", "sst2")]
@@ -84,25 +60,123 @@ def test_sst2_is_fetched_once_into_the_cache_where_no_data_dir_has_it(tmp_path, 
     assert _sst2_root(None) == root and len(calls) == 1  # the cached copy, not a new fetch
 
 
-def test_without_sst2_and_offline_the_demo_says_in_one_line_what_it_skips(
-    tmp_path, monkeypatch, caplog
-):
-    datasets = pytest.importorskip("datasets")
-
-    def offline(*names):
-        raise ConnectionError("the Hub is unreachable\nsecond line")
-
-    monkeypatch.setattr(datasets, "load_dataset", offline)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert _sst2_root(None) is None
-    (line,) = "\n".join(r.getMessage() for r in caplog.records).splitlines()
-    assert "skipped the LoRA fine-tuning on SST-2" in line and "--data-dir" in line
-    assert "ConnectionError: the Hub is unreachable" in line
-
-
 def test_a_data_dir_with_sst2_is_used_as_it_is(tmp_path, monkeypatch):
     (tmp_path / "sst2").mkdir()
     for name in ("train.tsv", "dev.tsv"):
         (tmp_path / "sst2" / name).write_text("sentence\tlabel\nfine\t1\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert _sst2_root(tmp_path) == tmp_path
+
+
+# -- never half-run ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_sst2(tmp_path, monkeypatch):
+    """No SST-2 anywhere (an empty cache), and a record of every fetch attempted."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    fetches = []
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets, "load_dataset", lambda *names: fetches.append(names))
+    return fetches
+
+
+def _demo_fails(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0, error  # one message, no traceback
+    return error
+
+
+def test_without_sst2_and_offline_the_demo_stops_before_any_work(tmp_path, capsys, no_sst2):
+    """Issue 35: before, `make demo` retried for 23 s, skipped the LoRA part in one line and
+    exited 0 with `"lora_methods": {}`. Now it stops at once, status 2, one message naming
+    --data-dir, nothing fetched, run or written."""
+    out = tmp_path / "out"
+    started = time.perf_counter()
+    error = _demo_fails(capsys, ["demo", "--out", str(out), "--quick"])
+    assert time.perf_counter() - started < 5  # no retries
+    assert error.startswith("pyro-bdl demo: error: the LoRA part needs SST-2")
+    assert "--data-dir DIR" in error and "--skip-lora" in error and "HF_HUB_OFFLINE=1" in error
+    assert "Nothing was run" in error and not out.exists() and no_sst2 == []
+
+
+def test_an_unreachable_hub_is_asked_once_without_retries(tmp_path, monkeypatch, no_sst2):
+    """Downloads on (make demo's HF_HUB_OFFLINE=0), the Hub silent: one request, then the
+    same stop, and datasets (whose retries took the 23 s) is never called."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    requests = []
+
+    def silent(request, timeout):
+        requests.append((request.full_url, timeout))
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(urllib.request, "urlopen", silent)
+    with pytest.raises(DemoSetupError, match="the Hugging Face Hub did not answer .*URLError"):
+        run_demo(tmp_path / "out", data_dir=tmp_path)
+    assert requests == [("https://huggingface.co", demo._HUB_TIMEOUT_S)] and no_sst2 == []
+    assert "has no train.tsv and dev.tsv" in str(_setup_error(run_demo, tmp_path))
+
+
+def _setup_error(run, tmp_path) -> DemoSetupError:
+    with pytest.raises(DemoSetupError) as error:
+        run(tmp_path / "out", data_dir=tmp_path)
+    return error.value
+
+
+def test_a_missing_package_stops_the_demo_before_any_work(tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "arviz_plots" else real(name)
+    )
+    with pytest.raises(DemoSetupError, match=r"needs arviz_plots: pip install 'pyro-bdl\[demo\]'"):
+        run_demo(tmp_path / "out", skip_lora=True)
+    assert not (tmp_path / "out").exists()
+
+
+def _fake_sections(monkeypatch, lora_fails: bool = False):
+    """The two sections replaced by stand-ins that return at once (their own tests are the
+    demo's full run, in validation/test_demo.py)."""
+    scores = {"accuracy": 0.9, "nll": 0.3, "ece": 0.05}
+
+    def lora(root, settings, seed, out):
+        if lora_fails:
+            raise RuntimeError("the fine-tune diverged\nsecond line")
+        return {"methods": {"MAP": scores}, "choices": {}}
+
+    def digits(settings, seed, out):
+        return {"methods": {"MAP": scores}, "sghmc": scores, "diagnostics": {}, "summary_text": ""}
+
+    monkeypatch.setattr(demo, "_lora_section", lora)
+    monkeypatch.setattr(demo, "_digits_section", digits)
+    monkeypatch.setattr(demo, "_sst2_root", lambda data_dir: Path("sst2-here"))
+
+
+def test_results_and_the_closing_line_account_for_every_section(tmp_path, monkeypatch, caplog):
+    _fake_sections(monkeypatch)
+    caplog.set_level(logging.INFO, logger="pyro_bdl.demo")
+    run_demo(tmp_path / "all")
+    sections = json.loads((tmp_path / "all" / "results.json").read_text())["sections"]
+    assert list(sections) == ["lora", "mcmc_tour"] and all(s["ran"] for s in sections.values())
+    closing = caplog.records[-1].getMessage()
+    assert "LoRA fine-tuning of MiniLM on SST-2: ran; MCMC tour on the digits: ran" in closing
+
+    caplog.clear()
+    run_demo(tmp_path / "tour", skip_lora=True)
+    results = json.loads((tmp_path / "tour" / "results.json").read_text())
+    assert results["sections"]["lora"] == {"ran": False, "reason": "--skip-lora was passed"}
+    assert results["sections"]["mcmc_tour"]["ran"] and results["lora_methods"] == {}
+    closing = caplog.records[-1].getMessage()
+    assert "LoRA fine-tuning of MiniLM on SST-2: not run, --skip-lora was passed" in closing
+
+
+def test_a_section_that_fails_is_recorded_with_its_reason(tmp_path, monkeypatch):
+    _fake_sections(monkeypatch, lora_fails=True)
+    with pytest.raises(RuntimeError, match="diverged"):
+        run_demo(tmp_path)
+    sections = json.loads((tmp_path / "results.json").read_text())["sections"]
+    assert sections == {
+        "lora": {"ran": False, "reason": "failed: RuntimeError: the fine-tune diverged"}
+    }

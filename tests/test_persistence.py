@@ -7,15 +7,18 @@ Both run the same float64 arithmetic from the same seeds, so they agree to round
 tolerance 1e-6 is the issue's and leaves room for a different BLAS path only.
 """
 
+import hashlib
 import importlib.util
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -23,11 +26,13 @@ from safetensors.torch import load_file
 import pyro_bdl as bdl
 from pyro_bdl.inference import BLoBGuide, BLoBSVI, LaplaceGuide
 from pyro_bdl.persistence import (
+    FORMAT_VERSION,
     CorruptFileError,
     FormatVersionError,
     ManifestError,
     SavedChains,
     SiteMismatchError,
+    SupportMismatchError,
     UnsafeFileError,
 )
 
@@ -107,7 +112,18 @@ def test_the_guide_state_is_json_and_safetensors_only(saved):
     ]
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["method"] == "LaplaceGuide" and manifest["curvature"] == "kron"
-    assert manifest["sites"]["hidden.weight"] == {"shape": [6, 5], "dtype": "float64"}
+    assert manifest["sites"]["hidden.weight"] == {
+        "shape": [6, 5],
+        "dtype": "float64",
+        "support": {
+            "name": "IndependentConstraint",
+            "base_constraint": {"name": "Real"},
+            "reinterpreted_batch_ndims": 2,
+        },
+        "prior": "Normal",
+    }
+    sha256 = hashlib.sha256((directory / "posterior.safetensors").read_bytes()).hexdigest()
+    assert manifest["files"]["posterior.safetensors"]["sha256"] == sha256
     # the shapes of the model's arguments, never their values
     assert "tensor" in json.dumps(manifest["example"]) and "0.1" not in json.dumps(
         manifest["example"]
@@ -181,8 +197,116 @@ def test_a_file_changed_inside_is_a_named_error(laplace_dir):
     data = bytearray(path.read_bytes())
     data[:8] = (2**40).to_bytes(8, "little")  # a header length beyond the file
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptFileError, match="not a readable safetensors file"):
+    with pytest.raises(CorruptFileError, match="changed after bdl.save wrote it"):
         bdl.load(laplace_dir, cases.mlp_model())
+    _as_version_1(laplace_dir)  # no hash to compare: the reader refuses it
+    with pytest.warns(UserWarning, match="not verified"):
+        with pytest.raises(CorruptFileError, match="not a readable safetensors file"):
+            bdl.load(laplace_dir, cases.mlp_model())
+
+
+def _flip_32_bytes(path: Path) -> None:
+    """32 bytes inside the tensors of a safetensors file flipped: the same size, a valid
+    header, numbers that are not the saved ones."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    step = (len(data) - start) // 32
+    for i in range(32):
+        data[start + 7 + step * i] ^= 0x7F  # the high byte of a float64: its exponent
+    path.write_bytes(bytes(data))
+
+
+def test_32_flipped_bytes_of_the_same_size_are_refused(laplace_dir):
+    """Issue 35: before, this loaded (a median weight of 3.8e22); now its SHA-256 differs."""
+    _flip_32_bytes(laplace_dir / "posterior.safetensors")
+    with pytest.raises(CorruptFileError, match="SHA-256 is .* the manifest's"):
+        bdl.load(laplace_dir, cases.mlp_model())
+
+
+def regression(prior):
+    """The issue's regression: w ~ Normal, sigma ~ prior, y in a data plate."""
+
+    def model(x, y=None):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([5]).to_event(1))
+        sigma = pyro.sample("sigma", prior)
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(x @ w, sigma), obs=y)
+
+    return model
+
+
+def test_a_model_with_another_prior_on_a_site_is_refused(tmp_path, float64):
+    """Issue 35: the same site names and shapes, sigma ~ Uniform(0, 10) where HalfNormal was
+    fitted. Before, it loaded and sigma's median moved from 0.70 to 4.1; now refused."""
+    x, _ = cases.data()
+    y = x @ torch.linspace(-1, 1, 5) + 0.7 * torch.randn(len(x), generator=cases.seeded(0))
+    guide = LaplaceGuide(regression(dist.HalfNormal(1.0)), "full")
+    guide.fit(x, y, progress=False)
+    bdl.save(guide, tmp_path)
+    with pytest.raises(SupportMismatchError) as error:
+        bdl.load(tmp_path, regression(dist.Uniform(0.0, 10.0)))
+    message = str(error.value)
+    assert "'sigma': saved support GreaterThanEq(lower_bound=0.0), prior HalfNormal" in message
+    assert "the model support Interval(lower_bound=0.0, upper_bound=10.0), prior Uniform" in message
+    assert isinstance(error.value, SiteMismatchError)
+    with pytest.raises(SupportMismatchError, match="prior Exponential"):  # same support
+        bdl.load(tmp_path, regression(dist.Exponential(1.0)))
+    loaded = bdl.load(tmp_path, regression(dist.HalfNormal(1.0)))
+    torch.testing.assert_close(loaded.median(), guide.median(), rtol=0, atol=0)
+
+
+def _as_version_1(directory: Path) -> None:
+    """The manifest as pyro_bdl wrote it before issue 35: no hashes, no supports, no priors."""
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 1
+    for entry in manifest["files"].values():
+        entry.pop("sha256", None)
+        entry.pop("files", None)
+    for entry in manifest["sites"].values():
+        entry.pop("support", None)
+        entry.pop("prior", None)
+    path.write_text(json.dumps(manifest))
+
+
+def test_an_older_manifest_without_hashes_loads_with_a_warning(laplace_dir):
+    reference = bdl.load(laplace_dir, cases.mlp_model()).median()
+    _as_version_1(laplace_dir)
+    with pytest.warns(UserWarning, match="format version 1 .* not verified"):
+        loaded = bdl.load(laplace_dir, cases.mlp_model())
+    torch.testing.assert_close(loaded.median(), reference, rtol=0, atol=0)
+
+
+def test_a_manifest_of_version_2_without_its_hashes_is_refused(laplace_dir):
+    """No switch skips the check: a hash struck from a version 2 manifest is refused."""
+    path = laplace_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["files"]["posterior.safetensors"]["sha256"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="without its SHA-256"):
+        bdl.load(laplace_dir, cases.mlp_model())
+
+
+def test_draws_verify_every_file_of_their_stores(saved, tmp_path):
+    """A chunk of a draw store changed, or a file planted in one, is refused."""
+    root, _ = saved
+    manifest = json.loads((root / "chains" / "manifest.json").read_text())
+    assert manifest["sites"]["hidden.bias"]["prior"] == "Normal"  # the kernel's model's
+    for change in ("flip", "plant"):
+        directory = tmp_path / change
+        shutil.copytree(root / "chains", directory)
+        store = directory / "chain_0" / "draws.zarr"
+        chunk = max((p for p in store.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        if change == "flip":
+            data = bytearray(chunk.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            chunk.write_bytes(bytes(data))
+            match = "changed after bdl.save wrote it"
+        else:
+            (chunk.parent / "planted").write_bytes(b"\x00" * 8)
+            match = "holds files bdl.save did not write"
+        with pytest.raises(CorruptFileError, match=match):
+            bdl.load(directory, cases.mlp_model())
 
 
 @pytest.mark.parametrize(
@@ -191,7 +315,11 @@ def test_a_file_changed_inside_is_a_named_error(laplace_dir):
         (lambda m: "{not json", ManifestError, "not valid JSON"),
         (lambda m: json.dumps({**m, "format": "other"}), ManifestError, "not a pyro_bdl"),
         (lambda m: json.dumps({**m, "files": []}), ManifestError, "'files' must be a dict"),
-        (lambda m: json.dumps({**m, "format_version": 2}), FormatVersionError, "upgrade"),
+        (
+            lambda m: json.dumps({**m, "format_version": FORMAT_VERSION + 1}),
+            FormatVersionError,
+            "upgrade",
+        ),
     ],
 )
 def test_a_bad_manifest_is_a_named_error(laplace_dir, edit, error, match):

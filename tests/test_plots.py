@@ -85,3 +85,16 @@ def test_reliability_diagram_draws_one_panel_per_method_and_marks_sparse_bins(
     assert sparse > 0  # the toy data have sparse bins
     hatched = [patch for patch in axes[0].patches if patch.get_hatch() == "///"]
     assert len(hatched) == sparse
+
+
+@pytest.mark.parametrize("panels", [1, 2, 3])
+def test_the_reliability_legend_is_never_cut_at_the_edge(tmp_path, classification, panels):
+    """Issue 35: with one panel (the demo's digits figure) the legend ran past both edges
+    of the canvas. Now every edge of the PNG is background: nothing is cut."""
+    from matplotlib.image import imread
+
+    results = {f"method {i}": classification for i in range(panels)}
+    image = imread(plots.reliability_diagram(results, tmp_path / "rel.png", title="toy"))
+    border = np.concatenate([image[:3].ravel(), image[-3:].ravel()])
+    border = np.concatenate([border, image[:, :3].ravel(), image[:, -3:].ravel()])
+    assert border.min() == 1.0  # white (RGBA), a drawn pixel is darker

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 
 import pyro
 import torch
-from pyro.infer.autoguide.guides import prototype_hide_fn
 from pyro.poutine.util import site_is_subsample
+
+from pyro_bdl.model_checks import CheckedPrototype
 
 __all__ = ["GuideState", "SiteMismatchError", "check_sites", "encode_json", "decode_json"]
 
@@ -102,7 +103,7 @@ def as_json(value):
     return json.loads(json.dumps(value, sort_keys=True))
 
 
-class GuideState:
+class GuideState(CheckedPrototype):
     """Mixin of the library's guides: ``state_dict()`` carries the whole approximation.
 
     A guide class says what its approximation is in three small methods and a flag:
@@ -115,7 +116,8 @@ class GuideState:
       exist only after the first call, as for Pyro's autoguides) before it can load.
 
     The mixin records the model's point weights (``pyro.param`` sites) when the guide
-    sets itself up, and keeps their values from Pyro's param store in the state too.
+    sets itself up, and keeps their values from Pyro's param store in the state too. The
+    set-up checks the model (:class:`~pyro_bdl.model_checks.CheckedPrototype`).
     """
 
     _needs_setup = True
@@ -143,7 +145,7 @@ class GuideState:
     def _prototype_hide_fn(self, msg: dict) -> bool:
         if msg["type"] == "param" and msg["name"] not in getattr(self, "_point_names", []):
             self._point_names.append(msg["name"])
-        return prototype_hide_fn(msg)
+        return super()._prototype_hide_fn(msg)
 
     def _point_values(self) -> dict[str, torch.Tensor]:
         store = pyro.get_param_store()

@@ -38,6 +38,7 @@ from pyro_bdl._checks import function, instance, integer
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sites import LatentSites
 from pyro_bdl.lift import init_to_module
+from pyro_bdl.model_checks import CheckedPrototype
 
 __all__ = ["fit_map", "MaskPriors"]
 
@@ -145,7 +146,7 @@ def minimise(
     # A model whose latent has batch dimensions outside any plate (Pyro's eight schools
     # example) is a log joint all the same; Trace_ELBO's shape check, made when it guesses
     # the plate nesting, would refuse it.
-    nesting = _plate_nesting(fitted_model, first_args, first_kwargs) if jacobian else math.inf
+    nesting = guide.max_plate_nesting if jacobian else math.inf
     svi = SVI(fitted_model, guide, averaged, Trace_ELBO(max_plate_nesting=nesting))
     bar = trange(num_steps, desc="MLE" if mle else "MAP", disable=not progress, leave=False)
     losses = []
@@ -163,20 +164,6 @@ def minimise(
     # from this one's result. Point weights (the model's own params) stay.
     _drop_params()
     return fitted, losses
-
-
-def _plate_nesting(model: Callable, args: tuple, kwargs: dict) -> int:
-    """How many plates deep the model's sites go (Trace_ELBO's ``max_plate_nesting``)."""
-    with torch.no_grad(), pyro.poutine.block():
-        trace = pyro.poutine.trace(model).get_trace(*args, **kwargs)
-    dims = [
-        -frame.dim
-        for site in trace.nodes.values()
-        if site["type"] == "sample"
-        for frame in site["cond_indep_stack"]
-        if frame.dim is not None
-    ]
-    return max(dims, default=0)
 
 
 def still_falling(losses: list[float]) -> tuple[float, float] | None:
@@ -239,7 +226,7 @@ def _learning_rate(optimizer: pyro.optim.PyroOptim | None) -> str:
     return f"of optimizer={type(optimizer).__name__}"
 
 
-class _FitMapDelta(AutoDelta):
+class _FitMapDelta(CheckedPrototype, AutoDelta):
     """An AutoDelta whose params (``_FitMapDelta.locs.*``) belong to fit_map alone.
 
     The locations sit in a child module ``.locs``, as AutoNormal keeps its own: Pyro's
@@ -256,10 +243,13 @@ class _FitMapDelta(AutoDelta):
 
     def __init__(self, model, init_loc_fn, jacobian: bool = False):
         self.jacobian = jacobian
+        self._checks_model = not jacobian  # LaplaceGuide's set-up checked the model
+        self._checked_by = "fit_map"
         super().__init__(model, init_loc_fn=init_loc_fn)
 
     def _setup_prototype(self, *args, **kwargs) -> None:
-        AutoGuide._setup_prototype(self, *args, **kwargs)
+        with self._checked_run(args, kwargs):  # not AutoDelta's: the locations go in .locs
+            AutoGuide._setup_prototype(self, *args, **kwargs)
         self.locs = PyroModule()
         if self.jacobian:
             self.sites = LatentSites(self.prototype_trace, "LaplaceGuide")

@@ -36,7 +36,7 @@ from pyro.poutine.util import site_is_subsample
 from pyro_bdl._checks import is_real
 from pyro_bdl.priors import normal_parameters
 
-__all__ = ["LatentSite", "LatentSites", "is_real"]
+__all__ = ["LatentSite", "LatentSites", "is_real", "prior_family"]
 
 
 @dataclass
@@ -68,10 +68,7 @@ class LatentSite:
     @property
     def prior_name(self) -> str:
         """The name of the prior's distribution (inside ``Independent`` and ``expand``)."""
-        base = self.message["fn"]
-        while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
-            base = base.base_dist
-        return type(base).__name__
+        return prior_family(self.message["fn"])
 
     @property
     def numel(self) -> int:
@@ -270,6 +267,14 @@ class LatentSites(Mapping[str, LatentSite]):
         if name not in fixed or not site.is_real or site.message["mask"] is not None:
             return None
         return normal_parameters(site.message["fn"], site.message["value"])
+
+
+def prior_family(fn: torch.distributions.Distribution) -> str:
+    """The name of a site's distribution inside ``Independent``, ``expand`` and ``mask``
+    (``"Normal"`` for ``Normal(0, 1).expand([3]).to_event(1)``)."""
+    while isinstance(fn, (dist.Independent, dist.ExpandedDistribution, dist.MaskedDistribution)):
+        fn = fn.base_dist
+    return type(fn).__name__
 
 
 def _ordered(values: Mapping[str, torch.Tensor], sites: Mapping[str, LatentSite]):

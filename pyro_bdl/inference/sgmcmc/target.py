@@ -22,6 +22,7 @@ from pyro_bdl._checks import instance, is_real, site_keys
 from pyro_bdl.inference.log_joint import LogJoint, observed_num_data
 from pyro_bdl.lift import init_to_module
 from pyro_bdl.likelihoods import invalid_observations
+from pyro_bdl.model_checks import check_model
 
 __all__ = [
     "Target",
@@ -110,6 +111,7 @@ def model_target(
     :param str kernel: the kernel's name, for the messages.
     """
     trace = prototype_trace(model, init_params, *batch)
+    check_model(trace, *batch, caller=kernel)
     sites = {
         name: site
         for name, site in trace.nodes.items()

@@ -134,26 +134,29 @@ class IVONGuide(MeanFieldGuide):
     # -- set-up ------------------------------------------------------------------------
 
     def _setup_prototype(self, *args, **kwargs) -> None:
-        self._observations, self.point_sites = pyro.poutine.Trace(), []
+        self.point_sites = []
         try:
             super()._setup_prototype(*args, **kwargs)
             self.sites.refuse_local("IVON's update is global")
             self._fixed_priors = self.sites.fixed_priors(self.model, args, kwargs)
-            self._read_model(observed_num_data(self._observations))
+            self._read_model(self._observed_num_data)
         except Exception:
             self.prototype_trace = None  # the next call sets up again, not half-way
             raise
-        finally:
-            del self._observations
 
     def _prototype_hide_fn(self, msg: dict) -> bool:
-        # Pyro's AutoGuide leaves observed sites and params out of the prototype trace; IVON
-        # needs the observations' plate (N) and the names of the point weights.
+        # Pyro's AutoGuide leaves params out of the prototype trace; IVON names the point
+        # weights it leaves as they are.
         if msg["type"] == "param":
             self.point_sites.append(msg["name"])
-        elif msg["type"] == "sample" and msg["is_observed"]:
-            self._observations.add_node(msg["name"], **msg)
         return super()._prototype_hide_fn(msg)
+
+    def _read_observed(self, observed: list[dict]) -> None:
+        # the data-set size N that the observations' plate declares
+        trace = pyro.poutine.Trace()
+        for msg in observed:
+            trace.add_node(msg["name"], **msg)
+        self._observed_num_data = observed_num_data(trace)
 
     def _init_parameters(self, init_locs: dict[str, torch.Tensor]) -> None:
         kinds = {(value.dtype, value.device) for value in init_locs.values()}
