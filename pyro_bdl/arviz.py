@@ -5,7 +5,10 @@ a :class:`~pyro_bdl.inference.sgmcmc.chains.Chains` run, a fitted guide, or a di
 draws. The result has ``posterior`` (chain, draw, *dims), ``sample_stats``, and on
 request ``log_likelihood`` (pointwise, computed draw by draw so memory stays that of
 one forward pass), ``posterior_predictive`` and ``observed_data``; a guide adds the
-parameters of its approximation as the group ``approximation``. ``arviz_stats``
+parameters of its approximation as the group ``approximation``. A network's outputs on a
+fixed probe batch of inputs, the draws judged in function space
+(:func:`pyro_bdl.diagnostics.function_space`), are the group ``function_space``: computed
+on the ``probe`` given, or those an SGMCMC kernel followed during its run. ``arviz_stats``
 (``summary``, ``rhat``, ``ess``, ``loo``) and ``arviz_plots`` read it, and
 ``to_netcdf`` round-trips it.
 
@@ -32,6 +35,7 @@ from pyro.poutine.util import site_is_subsample
 from pyro_bdl._checks import function, instance, integer
 from pyro_bdl._draws import kept_draws
 from pyro_bdl._version import __version__
+from pyro_bdl.diagnostics import network_outputs
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.chains import Chains
 from pyro_bdl.inference.sgmcmc.checkpoint import read_state
@@ -58,6 +62,7 @@ def to_arviz(
     dims: Mapping[str, Sequence[str]] | None = None,
     coords: Mapping[str, Sequence] | None = None,
     grouped_by_chain: bool = False,
+    probe: Sequence | None = None,
 ) -> xr.DataTree:
     """Convert draws of a Bayesian network's weights into an ArviZ ``DataTree``.
 
@@ -95,6 +100,13 @@ def to_arviz(
     :param dict coords: coordinate values for those dimensions.
     :param bool grouped_by_chain: whether a dict source has a leading chain dimension
         (Pyro's ``group_by_chain=True``); never guessed from the shapes.
+    :param tuple probe: the model's arguments on a batch of probe inputs (e.g.
+        ``((x_test[:64], None), num_data)``): adds the group ``function_space`` with the
+        class probabilities ``probs`` ``(chain, draw, probe, class)`` of every draw
+        (:func:`pyro_bdl.diagnostics.network_outputs`). Without it, an MCMC or Chains run
+        of an SGMCMC kernel on a lifted network gets the outputs its kernel followed on
+        its own probe batch (``probs``, or ``outputs`` for a likelihood's means or a
+        choice of a large output).
     :return: an ``xarray.DataTree``.
     """
     # Every keyword, checked at the call (locals() holds just the arguments here).
@@ -109,6 +121,7 @@ def to_arviz(
                 "log_likelihood": log_likelihood,
                 "posterior_predictive": posterior_predictive,
                 "max_coords_per_var": max_coords_per_var is not None,
+                "probe": probe is not None,
                 "num_samples": num_samples is not None,
                 "model": model is not None,
             },
@@ -140,6 +153,9 @@ def to_arviz(
             groups["observed_data"] = _dataset(observed, {}, {}).squeeze(
                 ("chain", "draw"), drop=True
             )
+    outputs = _function_space_outputs(source, samples, model, probe)
+    if outputs is not None:
+        groups["function_space"] = _dataset(*outputs)
     if approximation:
         groups["approximation"] = xr.Dataset(
             {name: (_plain_dims(name, value.shape), value) for name, value in approximation.items()}
@@ -150,6 +166,29 @@ def to_arviz(
             for name, group in groups.items()
         }
     return _tree(groups, attrs)
+
+
+def _function_space_outputs(source, samples, model, probe) -> tuple | None:
+    """``(data, dims, coords)`` of the ``function_space`` group, or None: the outputs on
+    ``probe``, else those the source's SGMCMC kernel followed for all its chains."""
+    if probe is not None:
+        if model is None:
+            raise ValueError("probe needs model=<the Pyro model> (it returns the logits)")
+        probs = network_outputs(model, *probe, samples=samples)
+        return {"probs": probs}, {"probs": ["probe", "class"]}, {}
+    monitor = getattr(getattr(source, "kernel", None), "function_monitor", None)
+    if not isinstance(source, (MCMC, Chains)) or monitor is None:
+        return None
+    outputs = monitor.outputs()
+    shape = next(iter(samples.values())).shape[:2]
+    if outputs is None or outputs.shape[:2] != shape:
+        return None  # chains run elsewhere (Pyro's worker processes, other ranks)
+    if outputs.ndim == 3:
+        return {"outputs": outputs}, {"outputs": ["output"]}, {}
+    name = "probs" if monitor.probabilities else "outputs"
+    dims = ["probe", *(["class"] if monitor.probabilities else [])]
+    dims += [f"{name}_dim_{i}" for i in range(outputs.ndim - 2 - len(dims))]
+    return {name: outputs}, {name: dims}, {}
 
 
 def _tree(groups: Mapping[str, xr.Dataset], attrs: Mapping) -> xr.DataTree:
@@ -274,8 +313,14 @@ def _check_arguments(
     dims,
     coords,
     grouped_by_chain,
+    probe,
 ) -> dict:
     """Every keyword of :func:`to_arviz` checked at the call; the model's kwargs as a dict."""
+    if probe is not None and (isinstance(probe, (str, bytes)) or not isinstance(probe, Sequence)):
+        raise TypeError(
+            "probe must be a tuple of the model's arguments on a batch of inputs, got "
+            f"{type(probe).__name__}"
+        )
     if num_samples is not None:
         integer("num_samples", num_samples, low=1)
     if model is not None:

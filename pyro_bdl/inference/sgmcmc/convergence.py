@@ -207,6 +207,16 @@ class FunctionSpaceMonitor:
             outputs = outputs[self._index]
         self._outputs[-1].append(outputs.tolist())
 
+    def outputs(self) -> np.ndarray | None:
+        """The followed outputs of every chain, ``(chain, draw, probe, *output)`` (or
+        ``(chain, draw, output)`` for a choice of them), when every chain kept as many
+        draws; else None."""
+        lengths = {len(chain) for chain in self._outputs}
+        if len(lengths) != 1 or 0 in lengths:
+            return None
+        outputs = np.asarray(self._outputs, dtype=float)
+        return outputs if self._index is not None else outputs.reshape(*outputs.shape[:2], *self.shape)
+
     def finish_chain(self, weights: ConvergenceMonitor) -> None:
         """Keep the weight coordinates the finished chain followed."""
         self._weights.append(weights.rows)
