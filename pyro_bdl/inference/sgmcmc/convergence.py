@@ -215,7 +215,9 @@ class FunctionSpaceMonitor:
         if len(lengths) != 1 or 0 in lengths:
             return None
         outputs = np.asarray(self._outputs, dtype=float)
-        return outputs if self._index is not None else outputs.reshape(*outputs.shape[:2], *self.shape)
+        if self._index is not None:
+            return outputs
+        return outputs.reshape(*outputs.shape[:2], *self.shape)
 
     def finish_chain(self, weights: ConvergenceMonitor) -> None:
         """Keep the weight coordinates the finished chain followed."""
