@@ -348,7 +348,7 @@ def _digits_section(settings: DemoSettings, seed: int, out: Path) -> dict:
     report, text = _diagnose(idata, traced, name)
     title = (
         f"{name} on the digits MLP: {settings.num_samples} kept draws per chain "
-        f"(every {settings.thin}th step after {settings.warmup_steps} warm-up steps)"
+        f"(one every {settings.thin} steps after {settings.warmup_steps} warm-up steps)"
     )
     _trace_plot(idata, traced, test[1], out / "trace.png", title)
     plots.reliability_diagram(curves, out / "reliability.png", title="Digits, test set")

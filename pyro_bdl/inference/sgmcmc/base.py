@@ -247,10 +247,11 @@ class SGMCMCKernel(MCMCKernel):
         chain = chain_number(self._chain_id)
         store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
         self.kept = KeptDraws(self._stat_names(), state.params, store, self.keep_draws)
-        probe = self._batches.peek() if self.probe is None else (self.probe, {})
-        self.function_monitor = FunctionSpaceMonitor.for_chain(
-            self.function_monitor, self._chain_id, target, probe
-        )
+        if self.temperature > 0:  # at T = 0 the draws are an optimiser's, not to be judged
+            probe = self._batches.peek() if self.probe is None else (self.probe, {})
+            self.function_monitor = FunctionSpaceMonitor.for_chain(
+                self.function_monitor, self._chain_id, target, probe
+            )
         self._chain_checked = False
 
     def sample(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -514,8 +515,6 @@ class SGMCMCKernel(MCMCKernel):
         read = torch.cat([torch.stack([s.to(largest) for s in scalars] + [largest]), followed])
         read = read.tolist()
         self.kept.monitor.add(read[len(names) + 1 :])
-        if self.function_monitor is not None:  # one forward pass on the probe batch
-            self.function_monitor.add(state.params)
         read = read[: len(names) + 1]
         stats = dict(zip(names, read))
         if not math.isfinite(read[-1]):
@@ -524,6 +523,8 @@ class SGMCMCKernel(MCMCKernel):
         if not math.isfinite(stats["potential_energy"]):
             self._diverged(info, f"the potential energy is {stats['potential_energy']}")
         stats.update(step_size=info.step_size, temperature=self.temperature)
+        if self.function_monitor is not None:  # one forward pass on the probe batch
+            self.function_monitor.add(state.params)
         draw = functools.partial(self.constrained_values, device="cpu")
         self.kept.add(stats, draw, state.iteration - self._warmup_steps, state.iteration + 1)
 

@@ -20,7 +20,8 @@ pass per kept draw, over every chain of the run (the chains of
 :class:`~pyro_bdl.inference.Chains` share the probe). The warning then speaks about
 function space first, with :func:`pyro_bdl.diagnostics.function_space`'s R-hat, ESS,
 agreement and total variation over the chains so far, and says when weight-space R-hat
-is high only because the chains sit in symmetric modes (:class:`SymmetricModesWarning`).
+is high only because the chains sit in symmetric modes
+(:class:`~pyro_bdl.inference.sgmcmc.convergence.SymmetricModesWarning`).
 """
 
 from __future__ import annotations
