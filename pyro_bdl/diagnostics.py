@@ -14,6 +14,11 @@ operation over a block of ``chunk_size`` coordinates, blocks run in parallel thr
 memory stays bounded by the blocks in flight: about 35 us of CPU per coordinate, a million
 coordinates in under half a minute on two cores (``benchmarks/diagnostics.py``).
 
+For a network, R-hat of the weights is the wrong question (symmetric modes make the same
+predictions): :func:`function_space` computes R-hat and ESS of the network's outputs on
+fixed probe inputs (:func:`network_outputs`) and the agreement of the chains' predictive
+distributions (:func:`agreement`, :func:`total_variation`), as Izmailov et al. (2021).
+
 **References**
 
 [1] Vehtari, A., Gelman, A., Simpson, D., Carpenter, B. and Buerkner, P.-C. (2021).
