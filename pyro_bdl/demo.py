@@ -31,7 +31,7 @@ papers in which MAP fits its small training set and is overconfident on new sent
 the MCMC path: the MAP (SGD with momentum, that is SGHMC at T = 0, then L-BFGS to the
 mode), then 4 SGHMC chains from it through :class:`~pyro_bdl.inference.Chains`, as a
 user would run them: the kernel's default warm-up adaptation of the step size and mass,
-200 warm-up steps and 100 draws kept one every 10 steps per chain, at the temperature the
+200 warm-up steps and 100 draws kept one every 5 steps per chain, at the temperature the
 150 validation images choose among T = 1 and 0.1 (T = 1 unless the colder posterior
 predicts them better). The chains are judged where it matters for a network, on its
 predictions (Izmailov et al. 2021; :func:`pyro_bdl.diagnostics.function_space`): split
@@ -131,7 +131,7 @@ class DemoSettings:
     num_chains: int = 4
     warmup_steps: int = 200
     num_samples: int = 100
-    thin: int = 10
+    thin: int = 5
     temperatures: tuple = (1.0, 0.1)
     prior_scale: float = 1.0
     digits_validation: int = 150
