@@ -568,8 +568,9 @@ def _tables(summary: Sequence[dict]) -> str:
         text.append(
             "Function-space split R-hat of the serial SGHMC chain: the largest over the test "
             "reviews' class probabilities, the chain's two halves compared (Izmailov et al. "
-            "2021; pyro_bdl.diagnostics.function_space). Parallel chains keep one draw each, "
-            "for which R-hat is not defined\n\n" + markdown_table([row], columns)
+            "2021; pyro_bdl.diagnostics.function_space); nan where the chain keeps fewer "
+            "than 4 draws (--quick keeps 2). Parallel chains keep one draw each, for which "
+            "R-hat is not defined\n\n" + markdown_table([row], columns)
         )
     scales = [entry for entry in summary if "vi_scale" in entry]
     if scales:

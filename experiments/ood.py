@@ -152,8 +152,9 @@ def _run(experiment: Experiment) -> dict:
     table += (
         "\n\nfunction R-hat: the largest split R-hat of the SST-2 test sentences' class "
         "probabilities over the serial chain's draws (its two halves compared; Izmailov et "
-        "al. 2021, pyro_bdl.diagnostics.function_space); the other methods keep one draw per "
-        "chain or none, for which R-hat is not defined"
+        "al. 2021, pyro_bdl.diagnostics.function_space), nan with fewer than 4 draws "
+        "(--quick keeps 2); the other methods keep one draw per chain or none, for which "
+        "R-hat is not defined"
     )
     (experiment.out / "ood.md").write_text(table + "\n")
     _histograms(cells, experiment)

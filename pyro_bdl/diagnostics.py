@@ -30,6 +30,7 @@ convergence of MCMC. *Bayesian Analysis* 16(2), 667-718.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -726,13 +727,18 @@ class FunctionSpace(NamedTuple):
 
     @property
     def max_rhat(self) -> float:
-        """The largest R-hat over the outputs (1.0 if no output changes)."""
+        """The largest R-hat over the outputs: 1.0 if no output changes, ``nan`` with
+        fewer than 4 draws per chain (R-hat is not defined)."""
+        if np.isnan(self.ess_bulk).all():
+            return math.nan
         return float(np.nanmax(self.rhat, initial=1.0))
 
     @property
     def min_ess(self) -> float:
-        """The smallest bulk ESS over the outputs."""
-        return float(np.nanmin(self.ess_bulk, initial=np.inf))
+        """The smallest bulk ESS over the outputs (``nan`` with fewer than 4 draws)."""
+        if np.isnan(self.ess_bulk).all():
+            return math.nan
+        return float(np.nanmin(self.ess_bulk))
 
     def converged(self, max_rhat: float = FUNCTION_MAX_RHAT, min_ess: float = 100) -> bool:
         """Whether every output has R-hat at most ``max_rhat`` and bulk ESS at least

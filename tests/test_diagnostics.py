@@ -350,3 +350,11 @@ def test_network_outputs_needs_draws_grouped_by_chain():
     ungrouped = {"0.weight": MODE["0.weight"].double()[None], "2.weight": torch.zeros(3, 2, 1)}
     with pytest.raises(ValueError, match="grouped by chain"):
         diagnostics.network_outputs(model, x, samples=ungrouped)
+
+
+def test_function_space_of_too_few_draws_is_nan_not_converged():
+    probs = np.full((1, 2, 3, 2), 0.5) + np.array([0.1, -0.1])  # 2 draws: R-hat undefined
+    probs[0, 1] = np.array([0.3, 0.7])
+    with pytest.warns(UserWarning, match="need at least 4 draws"):
+        fs = diagnostics.function_space(probs)
+    assert np.isnan(fs.max_rhat) and np.isnan(fs.min_ess) and not fs.converged()
