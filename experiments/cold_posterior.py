@@ -170,7 +170,7 @@ SETTINGS = {
         "friction": 1.0,
         "serial_epochs": 1,
         "serial_burn_in_fraction": 0.5,
-        "serial_draws": 2,
+        "serial_draws": 4,  # the fewest for which R-hat is defined
         "sghmc_epochs": 1,
         "parallel_pool": 2,
         "parallel_ensemble": 2,
@@ -569,7 +569,7 @@ def _tables(summary: Sequence[dict]) -> str:
             "Function-space split R-hat of the serial SGHMC chain: the largest over the test "
             "reviews' class probabilities, the chain's two halves compared (Izmailov et al. "
             "2021; pyro_bdl.diagnostics.function_space); nan where the chain keeps fewer "
-            "than 4 draws (--quick keeps 2). Parallel chains keep one draw each, for which "
+            "than 4 draws. Parallel chains keep one draw each, for which "
             "R-hat is not defined\n\n" + markdown_table([row], columns)
         )
     scales = [entry for entry in summary if "vi_scale" in entry]
