@@ -283,6 +283,8 @@ def test_function_space_group_from_the_kernels_probe_and_from_a_given_probe():
                                rtol=1e-12)  # fmt: skip
     given = bdl.to_arviz(chains, probe=(x[:7], None))["function_space"]["probs"]
     assert given.shape == (2, 5, 7, 3)
+    # network_outputs reads an ArviZ tree's posterior chain by chain, as the dict
+    np.testing.assert_allclose(network_outputs(model, x[:7], None, samples=tree), given.values)
     assert np.isfinite(function_space(given.values).max_rhat)
     with pytest.raises(TypeError, match="probe must be a tuple of the model's arguments"):
         bdl.to_arviz(chains, probe=x)
