@@ -557,6 +557,32 @@ class LaplaceGuide(GuideState, AutoGuide):
             progress=progress,
         )
 
+    def predict_proba(
+        self,
+        *args,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The :class:`~pyro_bdl.posterior.Posterior` interface's class probabilities
+        ``(S, B, C)``: the linearised predictive at the guide's :attr:`link`, its
+        ``num_samples`` (default 100) joint logit draws for ``"mc"``, one row of
+        closed-form probabilities (``S = 1``) for ``"probit"`` and ``"bridge"``.
+
+        :param int num_samples: logit draws for ``"mc"``.
+        :param generator: random generator for ``"mc"``.
+        """
+        if self.link != "mc":
+            return self.predictive(*args, **kwargs).unsqueeze(0)
+        return self.predictive(
+            *args,
+            link="mc",
+            num_samples=100 if num_samples is None else num_samples,
+            return_samples=True,
+            generator=generator,
+            **kwargs,
+        )
+
     # -- evidence and prior precision ------------------------------------------------
 
     def log_marginal_likelihood(self, prior_precision: PriorPrecision = None) -> torch.Tensor:
