@@ -46,8 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
+import pyro
 import torch
+from pyro.poutine.util import site_is_subsample
 
+from pyro_bdl._draws import kept_draws
 from pyro_bdl.predict import predict_proba as _predict_proba
 
 __all__ = [
@@ -55,6 +58,9 @@ __all__ = [
     "PosteriorDraws",
     "DrawsPosterior",
     "as_posterior",
+    "GuidePosterior",
+    "guide_draws",
+    "predict_proba",
     "encode_json",
     "decode_json",
 ]
@@ -201,7 +207,7 @@ class DrawsPosterior:
             model if model is not None else getattr(kernel, "model", None),
             samples,
             grouped_by_chain=True,
-            sample_stats=_sample_stats(run.diagnostics(), len(next(iter(samples.values())))),
+            sample_stats=_sample_stats(run.diagnostics(), next(iter(samples.values())).shape[1]),
             chain_ids=chain_ids if chain_ids is not None else None,
             attrs=attrs,
             site_fns=_kernel_site_fns(kernel),
@@ -263,6 +269,113 @@ class DrawsPosterior:
         return torch.linspace(0, size - 1, num_samples).round().long()
 
 
+class GuidePosterior:
+    """Any Pyro guide as a :class:`Posterior` (the library's guides answer it themselves):
+    what :func:`as_posterior` makes of a guide of your own with ``approximation_parameters()``
+    (and, optionally, ``hyperparameters()``), as ``bdl.to_arviz`` takes it.
+
+    :param callable guide: a fitted Pyro guide.
+    """
+
+    layout = "guide"
+
+    def __init__(self, guide: Callable):
+        self.guide = guide
+        self.model = getattr(guide, "model", None)
+
+    def draws(
+        self, num_samples: int | None = None, *args, seed: int | None = None, **kwargs
+    ) -> PosteriorDraws:
+        """See :func:`guide_draws`."""
+        return guide_draws(self.guide, num_samples, args, kwargs, seed)
+
+    def sample(
+        self, num_samples: int | None = None, *args, seed: int | None = None, **kwargs
+    ) -> dict[str, torch.Tensor]:
+        """``num_samples`` draws, site -> ``(num_samples, *shape)``."""
+        return self.draws(num_samples, *args, seed=seed, **kwargs).flat()
+
+    def predict_proba(self, *args, num_samples: int | None = None, **kwargs) -> torch.Tensor:
+        """The model replayed on ``num_samples`` draws of the guide, ``(S, B, C)``."""
+        return _predict_proba(
+            self.model, *args, guide=self.guide, num_samples=num_samples, **kwargs
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guide's own ``state_dict()``."""
+        return self.guide.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *args, **kwargs) -> Any:
+        """The guide's own ``load_state_dict``."""
+        return self.guide.load_state_dict(state_dict, *args, **kwargs)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The guide's class name and its ``hyperparameters()`` where it has them."""
+        own = getattr(self.guide, "hyperparameters", dict)()
+        return {"method": type(self.guide).__name__, **own}
+
+    def approximation_parameters(self) -> dict[str, torch.Tensor]:
+        """The guide's own."""
+        return self.guide.approximation_parameters()
+
+
+def guide_draws(
+    guide: Callable, num_samples: int | None, args: tuple, kwargs: dict, seed: int | None
+) -> PosteriorDraws:
+    """``num_samples`` draws of a guide's latent sites as chain 0, each copied to the CPU as
+    it is drawn (the device holds one draw), with the guide's parameters
+    (``approximation_parameters()``) and settings (``hyperparameters()``).
+
+    :param callable guide: a fitted guide.
+    :param int num_samples: how many draws.
+    :param tuple args: the model's arguments (DataLoaders: their first batch), for a guide
+        that has not seen its model yet.
+    :param dict kwargs: keyword arguments likewise.
+    :param int seed: seed of the draws (the process's random state is left as it was);
+        None draws from it.
+    """
+    # inference.minibatch is below this module; imported here, as the guides (which import
+    # this module) load first.
+    from pyro_bdl.inference.minibatch import Minibatches
+
+    if not num_samples:
+        raise ValueError(
+            f"{type(guide).__name__}: pass num_samples=<number of draws>, which a guide draws "
+            "afresh (to_arviz(guide, num_samples=...))"
+        )
+    args, kwargs = Minibatches(tuple(args), dict(kwargs)).peek()
+    with torch.random.fork_rng():  # the caller's random state unchanged
+        if seed is not None:
+            pyro.set_rng_seed(seed)
+        drawn = kept_draws(lambda: _latent_draw(guide, args, kwargs), num_samples)
+    prototype = guide.prototype_trace
+    return PosteriorDraws(
+        samples={name: value.unsqueeze(0) for name, value in drawn.items()},
+        attrs={"method": type(guide).__name__, **getattr(guide, "hyperparameters", dict)()},
+        approximation={
+            name: value.detach().cpu() for name, value in guide.approximation_parameters().items()
+        },
+        site_fns={
+            name: site["fn"]
+            for name, site in prototype.iter_stochastic_nodes()
+            if not site_is_subsample(site)
+        },
+    )
+
+
+def _latent_draw(guide: Callable, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
+    """One draw of the model's latent sites (on the guide's device), the guide's auxiliary
+    sites left out."""
+    with torch.no_grad():
+        trace = pyro.poutine.trace(guide).get_trace(*args, **kwargs)
+    latent = {
+        name
+        for name, site in guide.prototype_trace.iter_stochastic_nodes()
+        if not site_is_subsample(site)
+    }
+    return {name: trace.nodes[name]["value"] for name in trace.nodes if name in latent}
+
+
 def as_posterior(source, *, model: Callable | None = None, caller: str = "as_posterior"):
     """``source`` as a :class:`Posterior`: itself when it answers the interface (a guide, a
     predictor, a :class:`DrawsPosterior`), a :class:`DrawsPosterior` of a run with Pyro's
@@ -275,6 +388,8 @@ def as_posterior(source, *, model: Callable | None = None, caller: str = "as_pos
     """
     if isinstance(source, Posterior):
         return source
+    if callable(source) and hasattr(source, "approximation_parameters"):
+        return GuidePosterior(source)
     if callable(getattr(source, "get_samples", None)) and hasattr(source, "kernel"):
         return DrawsPosterior.from_run(source, model, caller)
     raise TypeError(
@@ -332,3 +447,23 @@ def _kernel_site_fns(kernel) -> dict:
     if isinstance(sites, Mapping):
         return {name: site["fn"] for name, site in sites.items()}
     return {}
+
+
+def predict_proba(posterior, *args, num_samples: int | None = None, **kwargs) -> torch.Tensor:
+    """Class probabilities ``(S, B, C)`` of any method's result for the model's arguments:
+    ``as_posterior(posterior).predict_proba(*args, num_samples=num_samples)``.
+
+    Example::
+
+        probs = bdl.predict_proba(mcmc, test_batch, num_data)            # every kept draw
+        probs = bdl.predict_proba(guide, test_batch, num_data, num_samples=20)
+
+    :param posterior: a fitted guide, a run MCMC or Chains, a baselines Predictor, a
+        :class:`DrawsPosterior`.
+    :param args: the model's arguments.
+    :param int num_samples: draws (a guide's, a predictor's guide members'); a run's kept
+        draws are thinned evenly to this many.
+    :return: probabilities ``(S, B, C)``.
+    """
+    found = as_posterior(posterior, caller="predict_proba")
+    return found.predict_proba(*args, num_samples=num_samples, **kwargs)

@@ -29,10 +29,8 @@ import pyro
 import torch
 from pyro.poutine.util import site_is_subsample
 
-from pyro_bdl._draws import kept_draws
-from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.model_checks import CheckedPrototype
-from pyro_bdl.posterior import STATE_KEY, PosteriorDraws, decode_json, encode_json
+from pyro_bdl.posterior import STATE_KEY, PosteriorDraws, decode_json, encode_json, guide_draws
 from pyro_bdl.predict import predict_proba
 
 __all__ = ["GuideState", "SiteMismatchError", "check_sites", "encode_json", "decode_json"]
@@ -136,29 +134,7 @@ class GuideState(CheckedPrototype):
         :param int seed: seed of the draws (the process's random state is left as it was);
             None draws from it.
         """
-        if not num_samples:
-            raise ValueError(
-                f"{type(self).__name__}: pass num_samples=<number of draws>, which a guide "
-                "draws afresh (to_arviz(guide, num_samples=...))"
-            )
-        args, kwargs = Minibatches(tuple(args), dict(kwargs)).peek()
-        with torch.random.fork_rng():  # as to_arviz always has: the caller's state unchanged
-            if seed is not None:
-                pyro.set_rng_seed(seed)
-            drawn = kept_draws(lambda: self._latent_draw(args, kwargs), num_samples)
-        return PosteriorDraws(
-            samples={name: value.unsqueeze(0) for name, value in drawn.items()},
-            attrs={"method": type(self).__name__, **self.hyperparameters()},
-            approximation={
-                name: value.detach().cpu()
-                for name, value in self.approximation_parameters().items()
-            },
-            site_fns={
-                name: site["fn"]
-                for name, site in self.prototype_trace.iter_stochastic_nodes()
-                if not site_is_subsample(site)
-            },
-        )
+        return guide_draws(self, num_samples, args, kwargs, seed)
 
     def sample(
         self, num_samples: int | None = None, *args, seed: int | None = None, **kwargs
@@ -177,17 +153,6 @@ class GuideState(CheckedPrototype):
                 f"{type(self).__name__}.predict_proba: pass num_samples=<draws of the weights>"
             )
         return predict_proba(self.model, *args, guide=self, num_samples=num_samples, **kwargs)
-
-    def _latent_draw(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
-        """One draw of the model's latent sites (on the guide's device)."""
-        with torch.no_grad():
-            trace = pyro.poutine.trace(self).get_trace(*args, **kwargs)
-        latent = {
-            name
-            for name, site in self.prototype_trace.iter_stochastic_nodes()
-            if not site_is_subsample(site)
-        }
-        return {name: trace.nodes[name]["value"] for name in trace.nodes if name in latent}
 
     # -- the model's point weights ------------------------------------------------------
 
