@@ -216,7 +216,11 @@ class Predictor:
             structure.append(
                 None
                 if guide is None
-                else {"class": type(guide).__name__, "settings": guide._init_settings()}
+                else {
+                    "class": type(guide).__name__,
+                    "settings": guide._init_settings(),
+                    "observed": sorted(guide.observed_sites),
+                }
             )
         header = {"hyperparameters": self.hyperparameters(), "members": structure}
         return {STATE_KEY: encode_json(header), **state}
@@ -233,11 +237,12 @@ class Predictor:
                 prefix, _, part = head.rpartition(".")
                 if prefix == f"members.{k}" and part in parts:
                     parts[part][name] = value
-            guide = (
-                None
-                if spec is None
-                else _GUIDE_CLASSES[spec["class"]]._from_settings(self.model, spec["settings"])
-            )
+            guide = None
+            if spec is not None:
+                # The sites its fit observed stay hidden from it: built afresh, it must not
+                # take an unobserved label for a latent site when it first sees the model.
+                seen = poutine.block(self.model, hide=spec.get("observed", []))
+                guide = _GUIDE_CLASSES[spec["class"]]._from_settings(seen, spec["settings"])
             members.append(
                 _Member(
                     model_params=parts["model_params"],
@@ -271,8 +276,9 @@ class Predictor:
             return {
                 name: value.detach().cpu().unsqueeze(0) for name, value in member.median.items()
             }
-        guide = poutine.substitute(member.guide, data=member.guide_params)
         batch_args, batch_kwargs = Minibatches(tuple(args), dict(kwargs)).peek()
+        _set_up(member.guide, batch_args, batch_kwargs)
+        guide = poutine.substitute(member.guide, data=member.guide_params)
         return kept_draws(
             lambda: {
                 name: value
@@ -289,6 +295,7 @@ class Predictor:
         if self.num_samples == 0:
             mean = {name: value.unsqueeze(0) for name, value in member.median.items()}
             return predict_proba(model, *args, samples=mean, **kwargs)
+        _set_up(member.guide, args, kwargs)
         guide = poutine.substitute(member.guide, data=member.guide_params)
         return predict_proba(model, *args, guide=guide, num_samples=self.num_samples, **kwargs)
 
@@ -547,6 +554,14 @@ class _ScheduledAdamW(torch.optim.AdamW):
         loss = super().step(closure)
         self.schedule.step()
         return loss
+
+
+def _set_up(guide: Callable, args: tuple, kwargs: dict) -> None:
+    """Set up a guide member that load_state_dict built afresh (its parameters must exist
+    before its saved values are substituted for them); a fitted one is left alone."""
+    if guide.prototype_trace is None:  # a draw that changes nothing, not even the seed
+        with torch.no_grad(), torch.random.fork_rng(), poutine.block():
+            guide(*args, **kwargs)
 
 
 def _lifted(model: Callable, net: LiftedModule | None) -> LiftedModule:
