@@ -562,6 +562,7 @@ class LaplaceGuide(GuideState, AutoGuide):
         *args,
         num_samples: int | None = None,
         generator: torch.Generator | None = None,
+        link: str | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """The :class:`~pyro_bdl.posterior.Posterior` interface's class probabilities
@@ -571,9 +572,10 @@ class LaplaceGuide(GuideState, AutoGuide):
 
         :param int num_samples: logit draws for ``"mc"``.
         :param generator: random generator for ``"mc"``.
+        :param str link: another link than :attr:`link` for this call.
         """
-        if self.link != "mc":
-            return self.predictive(*args, **kwargs).unsqueeze(0)
+        if (link or self.link) != "mc":
+            return self.predictive(*args, link=link or self.link, **kwargs).unsqueeze(0)
         return self.predictive(
             *args,
             link="mc",
