@@ -13,7 +13,16 @@ process. What is saved:
   training continues step for step (a guide saved alone restarts the optimiser);
 * draws (a run ``pyro.infer.MCMC`` or :class:`~pyro_bdl.inference.Chains`): the chunked
   draw store the SGMCMC checkpoints write (``chain_<c>/draws.zarr``), which
-  ``bdl.to_arviz(directory)`` opens lazily.
+  ``bdl.to_arviz(directory)`` opens lazily. It is the one layout of draws on disk:
+  :func:`load` also reads a kernel's ``checkpoint`` directory (no manifest: its chains'
+  saved states say the settings and how many draws are final), with a warning that its
+  files are not verified;
+* a baseline's :class:`~pyro_bdl.inference.baselines.Predictor` (MAP, MLE, MC dropout, deep
+  ensembles, BBB): its ``state_dict()``, every member's fitted values.
+
+Every result goes through one interface, :class:`~pyro_bdl.posterior.Posterior`: its
+``layout`` chooses the writer (``"guide"``, ``"draws"``, ``"members"``; a training run
+says ``"training"``), the manifest's ``kind`` the reader; neither switches on classes.
 
 The directory (format version 2)::
 
@@ -27,6 +36,9 @@ The directory (format version 2)::
     adapter_model.safetensors  peft adapter holding the posterior mean (the MAP, M, m), so
                                PeftModel.from_pretrained(base, directory) loads the mean model
     chain_<c>/draws.zarr/      draws (instead of the guide's files)
+
+A predictor's directory holds ``manifest.json`` (kind ``members``, its settings and the
+structure of its members) and ``posterior.safetensors`` (its state dict).
 
 Nothing is ever unpickled: tensors are safetensors (a JSON header and raw numbers), the
 rest is JSON, draws are zarr format 3 of plain numbers. A directory holding anything that
@@ -395,7 +407,8 @@ def load(
     ``IVONSVI`` or ``BLoBSVI`` comes back with its guide and optimiser, its next step the
     one the saved run would have taken; draws come back as
     :class:`~pyro_bdl.persistence.SavedChains`, with the interface of
-    :class:`~pyro_bdl.inference.Chains`.
+    :class:`~pyro_bdl.inference.Chains` (from a kernel's checkpoint directory too); a
+    predictor comes back as a :class:`~pyro_bdl.inference.baselines.Predictor`.
 
     The model runs once (on zeros shaped like the arguments it was fitted with, or on
     ``model_args``) to rebuild what derives from it and to check its latent sites against
