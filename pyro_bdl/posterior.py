@@ -348,18 +348,13 @@ def guide_draws(
         if seed is not None:
             pyro.set_rng_seed(seed)
         drawn = kept_draws(lambda: _latent_draw(guide, args, kwargs), num_samples)
-    prototype = guide.prototype_trace
     return PosteriorDraws(
         samples={name: value.unsqueeze(0) for name, value in drawn.items()},
         attrs={"method": type(guide).__name__, **getattr(guide, "hyperparameters", dict)()},
         approximation={
             name: value.detach().cpu() for name, value in guide.approximation_parameters().items()
         },
-        site_fns={
-            name: site["fn"]
-            for name, site in prototype.iter_stochastic_nodes()
-            if not site_is_subsample(site)
-        },
+        site_fns=_latent_fns(guide) or {},
     )
 
 
@@ -368,12 +363,28 @@ def _latent_draw(guide: Callable, args: tuple, kwargs: dict) -> dict[str, torch.
     sites left out."""
     with torch.no_grad():
         trace = pyro.poutine.trace(guide).get_trace(*args, **kwargs)
-    latent = {
-        name
-        for name, site in guide.prototype_trace.iter_stochastic_nodes()
+    latent = _latent_fns(guide)  # None: a guide without a prototype, every site it samples
+    return {
+        name: site["value"]
+        for name, site in trace.nodes.items()
+        if site["type"] == "sample"
+        and not site["is_observed"]
+        and not site_is_subsample(site)
+        and (latent is None or name in latent)
+    }
+
+
+def _latent_fns(guide: Callable) -> dict | None:
+    """The model's latent sites and their distributions, from the guide's prototype trace
+    (None for a guide without one)."""
+    prototype = getattr(guide, "prototype_trace", None)
+    if prototype is None:
+        return None
+    return {
+        name: site["fn"]
+        for name, site in prototype.iter_stochastic_nodes()
         if not site_is_subsample(site)
     }
-    return {name: trace.nodes[name]["value"] for name in trace.nodes if name in latent}
 
 
 def as_posterior(source, *, model: Callable | None = None, caller: str = "as_posterior"):
