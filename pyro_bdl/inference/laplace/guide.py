@@ -33,7 +33,7 @@ L-BFGS refinement, the mode check) and :mod:`~pyro_bdl.inference.laplace.curvatu
 (the pass over the data) make one, :mod:`~pyro_bdl.inference.laplace.predictive` (the GLM
 predictive and its links) reads one, :mod:`~pyro_bdl.inference.laplace.tuning` (prior
 precision and link selection) returns a new one, and
-:mod:`~pyro_bdl.inference.laplace.state` saves and restores one.
+:mod:`~pyro_bdl.inference.laplace.serialization` saves and restores one.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from pyro_bdl.inference.laplace.curvature import Curvature, DiagonalBlock, Full,
 from pyro_bdl.inference.laplace.model_prior import PriorPrecision, checked_precision, read_priors
 from pyro_bdl.inference.laplace.predictive import LINKS, glm_predictive, output_distribution
 from pyro_bdl.inference.laplace.prior import LaplacePrior
-from pyro_bdl.inference.laplace.state import (
+from pyro_bdl.inference.laplace.serialization import (
     curvature_from_settings,
     laplace_state,
     restore_laplace,
