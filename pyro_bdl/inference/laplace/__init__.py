@@ -15,7 +15,7 @@ from pyro_bdl.inference.laplace.curvature import (
     KronLowRank,
 )
 from pyro_bdl.inference.laplace.guide import LaplaceGuide
-from pyro_bdl.inference.laplace.lora import fit_laplace_lora
+from pyro_bdl.inference.laplace.laplace_lora import fit_laplace_lora
 from pyro_bdl.inference.laplace.prior import BlockNormal, LaplacePrior
 
 __all__ = [
