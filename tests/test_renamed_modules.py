@@ -9,6 +9,7 @@ import pytest
 RENAMED = {
     "pyro_bdl.inference.laplace.state": "pyro_bdl.inference.laplace.serialization",
     "pyro_bdl.inference.laplace.lora": "pyro_bdl.inference.laplace.laplace_lora",
+    "pyro_bdl.inference.laplace.prior": "pyro_bdl.inference.laplace.laplace_prior",
 }
 
 

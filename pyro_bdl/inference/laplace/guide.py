@@ -54,9 +54,9 @@ from pyro_bdl.inference.guide_state import GuideState, dtype_name
 from pyro_bdl.inference.laplace import fitting, tuning
 from pyro_bdl.inference.laplace.approximation import LaplaceFit, LaplaceProblem
 from pyro_bdl.inference.laplace.curvature import Curvature, DiagonalBlock, Full, make_curvature
+from pyro_bdl.inference.laplace.laplace_prior import LaplacePrior
 from pyro_bdl.inference.laplace.model_prior import PriorPrecision, checked_precision, read_priors
 from pyro_bdl.inference.laplace.predictive import LINKS, glm_predictive, output_distribution
-from pyro_bdl.inference.laplace.prior import LaplacePrior
 from pyro_bdl.inference.laplace.serialization import (
     curvature_from_settings,
     laplace_state,
