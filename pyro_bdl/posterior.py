@@ -50,7 +50,7 @@ import pyro
 import torch
 from pyro.poutine.util import site_is_subsample
 
-from pyro_bdl._draws import kept_draws
+from pyro_bdl._offload import kept_draws
 from pyro_bdl.predict import predict_proba as _predict_proba
 
 __all__ = [

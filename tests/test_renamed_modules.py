@@ -23,3 +23,8 @@ def test_an_old_module_path_warns_and_is_the_new_module(old):
     for name in new.__all__:
         assert getattr(alias, name) is getattr(new, name)
 
+
+def test_the_draw_helpers_keep_their_former_private_path():
+    from pyro_bdl import _draws, _offload
+
+    assert _draws.kept_draws is _offload.kept_draws and _draws.draw_at is _offload.draw_at

@@ -50,7 +50,7 @@ from pyro.infer import SVI, TraceMeanField_ELBO
 from tqdm.auto import trange
 
 from pyro_bdl import _checks, distributed
-from pyro_bdl._draws import kept_draws
+from pyro_bdl._offload import kept_draws
 from pyro_bdl.inference.map import fit_map
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.vi import MeanFieldGuide

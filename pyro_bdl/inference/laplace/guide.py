@@ -49,7 +49,7 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 
 from pyro_bdl._checks import function, instance, integer, one_of, real
-from pyro_bdl._draws import kept_draws
+from pyro_bdl._offload import kept_draws
 from pyro_bdl.inference.guide_state import GuideState, dtype_name
 from pyro_bdl.inference.laplace import fitting, tuning
 from pyro_bdl.inference.laplace.approximation import LaplaceFit, LaplaceProblem
