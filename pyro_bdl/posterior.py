@@ -41,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -207,7 +208,9 @@ class DrawsPosterior:
             model if model is not None else getattr(kernel, "model", None),
             samples,
             grouped_by_chain=True,
-            sample_stats=_sample_stats(run.diagnostics(), next(iter(samples.values())).shape[1]),
+            sample_stats=_sample_stats(
+                _diagnostics(run, caller), next(iter(samples.values())).shape[1]
+            ),
             chain_ids=chain_ids if chain_ids is not None else None,
             attrs=attrs,
             site_fns=_kernel_site_fns(kernel),
@@ -432,6 +435,23 @@ def _cpu_tensor(value) -> torch.Tensor:
     if torch.is_tensor(value):
         return value.detach().cpu()
     return torch.as_tensor(np.asarray(value))
+
+
+def _diagnostics(run, caller: str) -> Mapping:
+    """A run's public ``diagnostics()``; empty, with a warning, where it cannot be computed
+    (Pyro's ``MCMC.diagnostics`` takes split R-hat, which needs 4 draws per chain)."""
+    try:
+        return run.diagnostics()
+    except (AssertionError, RuntimeError, ValueError) as error:
+        warnings.warn(
+            f"{caller}: {type(run).__name__}.diagnostics() failed ({type(error).__name__}"
+            f"{': ' + str(error) if str(error) else ''}; Pyro's needs at least 4 draws per "
+            "chain), so the draws' sample statistics (lp, step size, ...) are left out; keep "
+            "4 or more draws per chain to have them",
+            UserWarning,
+            stacklevel=3,
+        )
+        return {}
 
 
 def _sample_stats(diagnostics: Mapping, num_draws: int) -> dict[str, np.ndarray]:

@@ -179,3 +179,17 @@ def test_anything_else_is_refused_naming_the_argument():
         bdl.predict_proba(lambda x: x, torch.zeros(2))
     with pytest.raises(ValueError, match="has no draws yet"):
         as_posterior(MCMC(SGHMC(_mlp(), step_size=1e-3), num_samples=2))
+
+
+def test_a_run_too_short_for_pyros_diagnostics_keeps_its_draws_and_says_so():
+    """Pyro's MCMC.diagnostics() takes split R-hat, which needs 4 draws per chain."""
+    pyro.clear_param_store()
+    model = _mlp()
+    x, y = data()
+    mcmc = MCMC(SGHMC(model, step_size=1e-3), num_samples=2, warmup_steps=1, disable_progbar=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mcmc.run((x, y), NUM_DATA)
+    with pytest.warns(UserWarning, match="sample statistics .* are left out"):
+        drawn = as_posterior(mcmc).draws()
+    assert drawn.sample_stats == {} and drawn.num_draws == 2
