@@ -866,7 +866,7 @@ def network_outputs(model, *args, samples, **kwargs) -> np.ndarray:
     :return: probabilities ``(chain, draw, batch, classes)``, float64.
     :rtype: numpy.ndarray
     """
-    from pyro_bdl._draws import _is_xarray, _posterior_group
+    from pyro_bdl._offload import _is_xarray, _posterior_group
     from pyro_bdl.predict import predict_proba
 
     posterior = _posterior_group(samples)
