@@ -120,9 +120,11 @@ def _run_with_checkpoint(rank, directory, out, die_after):
 def test_a_killed_ranks_chain_resumes_from_its_store(tmp_path):
     directory, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    # rank 1 runs chain 1 (7 steps); it dies in the prototype trace + 5 steps
+    # rank 1 runs chain 1 (7 steps); its model is called twice at set-up (the model's
+    # check and the outputs on the probe batch), once a step and once more for each kept
+    # draw's outputs on the probe: it dies at the third kept draw's step
     with pytest.raises(ProcessExitedException):
-        run_ranks(_run_with_checkpoint, str(directory), str(out), 6)
+        run_ranks(_run_with_checkpoint, str(directory), str(out), 9)
     stored = DrawStore(directory / "chain_1" / "draws.zarr", chain=1)
     kept = stored.read(0, stored.num_written)["weight"]
     assert 0 < len(kept) < 4
@@ -130,8 +132,9 @@ def test_a_killed_ranks_chain_resumes_from_its_store(tmp_path):
     gathered = load_file(out / "samples.st")["weight"]
     assert torch.equal(gathered[1, : len(kept)], kept)
     # rank 1 computed only the steps after its chain's last saved state (after warm-up
-    # and the kept draws), plus the set-up's prototype trace
-    assert json.loads((out / "calls1.json").read_text()) == 1 + 7 - (3 + len(kept))
+    # and the kept draws), plus the set-up's two calls and the outputs on the probe batch
+    # of each of the 4 kept draws (those read back from the store included)
+    assert json.loads((out / "calls1.json").read_text()) == 2 + 7 - (3 + len(kept)) + 4
     model, _, data = _problem()
     uninterrupted = _chains(model)
     uninterrupted.run(data, NUM_DATA)
