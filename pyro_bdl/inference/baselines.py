@@ -220,6 +220,21 @@ def map_estimate(
     The decoupled decay stands for the Gaussian prior, as in the paper; for the MAP of the
     lifted prior itself use :func:`~pyro_bdl.inference.fit_map` with ``mle=False``.
 
+    LoRA dropout is on only in training mode, and :func:`~pyro_bdl.models.lora_model`
+    returns its model in eval mode: call ``lora.train()`` before fitting to fine-tune with
+    the dropout, as the papers do (and ``lora.eval()`` after, for prediction). The
+    predictor's :meth:`~Predictor.point` is the fine-tune's weights, e.g. for
+    :func:`~pyro_bdl.inference.fit_laplace_lora`'s ``map=``; the module's own adapter
+    weights are left as they were.
+
+    Example::
+
+        lora.train()
+        predictor = map_estimate(lora.model, train_loader, len(train_set), num_steps=500)
+        lora.eval()
+        guide, link, _ = fit_laplace_lora(lora.model, train_loader, len(train_set),
+                                          validation_loader, map=predictor.point())
+
     :param float weight_decay: AdamW's decoupled weight decay.
 
     The other parameters are :func:`mle`'s.
