@@ -31,7 +31,7 @@ demo: $(STAMP)
 NAME ?=
 ARGS ?=
 experiment: $(STAMP)
-	$(if $(NAME),,$(error NAME is not set: make experiment NAME=calibration|cold-posterior|continual|lm-ood|ood [ARGS="--quick ..."]))
+	$(if $(NAME),,$(error NAME is not set: make experiment NAME=calibration|cold-posterior|continual|llm-learnability|lm-ood|ood [ARGS="--quick ..."]))
 	$(PY) -m experiments $(NAME) --data-dir $(DATA_DIR) --out results/$(NAME) $(ARGS)
 
 test: $(STAMP)
