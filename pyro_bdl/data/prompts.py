@@ -80,8 +80,8 @@ def fill_template(template: str, record: Record) -> str:
     Example::
 
         >>> record = {"sentence": "Sarah beat Maria so _ won.", "choices": ["Sarah", "Maria"]}
-        >>> fill_template("{sentence}\n{choices}\nAnswer:", record)
-        'Sarah beat Maria so _ won.\nA. Sarah. B. Maria.\nAnswer:'
+        >>> fill_template("{sentence}\\n{choices}\\nAnswer:", record)
+        'Sarah beat Maria so _ won.\\nA. Sarah. B. Maria.\\nAnswer:'
 
     :param str template: a ``str.format`` template over the record's fields.
     :param dict record: a record of :func:`pyro_bdl.data.load`.

@@ -221,8 +221,8 @@ class CausalMultipleChoiceCollator:
     :param int max_length: prompts keep their last ``max_length`` tokens.
     :param template: a prompt of one's own instead of the papers': a format string over
         the record's fields, in which ``{choices}`` is the lettered list ``"A. x. B. y."``
-        (e.g. ``"{passage}\nQuestion: {question}?\nAnswer:"`` for BoolQ, which keeps the
-        question when a long passage is cut, or ``"Review: {text}\nSentiment:"`` for
+        (e.g. ``"{passage}\\nQuestion: {question}?\\nAnswer:"`` for BoolQ, which keeps the
+        question when a long passage is cut, or ``"Review: {text}\\nSentiment:"`` for
         SST-2, a dataset without a template of its own), or a function record -> prompt.
         With a template, ``dataset_name`` may be any dataset.
     """
