@@ -295,6 +295,7 @@ def run(experiment: Experiment) -> dict:
     sizes = QUICK if experiment.quick else FULL
     experiment.settings.update(sizes)
     datasets = experiment.selected("datasets", TASKS)
+    experiment.selected("methods", METHODS)  # refuses a name it does not have, before any work
     results = {}
     for dataset in datasets:
         for seed in experiment.seeds[:1]:
@@ -343,3 +344,9 @@ def _plot(results: dict, path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+if __name__ == "__main__":  # python -m experiments.llm_learnability [options]
+    from experiments import main
+
+    main(name="llm-learnability")
