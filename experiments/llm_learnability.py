@@ -66,14 +66,16 @@ TASKS = {
 }
 _LABELS = {"sst2": [" negative", " positive"]}
 
+#: The CPU run. (SST-2's cell in docs/experiments.md was made with 192 / 96 questions,
+#: 96 steps at lr 1e-3; the machine's load left time for the smaller set below only.)
 FULL = {
-    "num_train": 192,
-    "num_test": 96,
+    "num_train": 96,
+    "num_test": 64,
     "top_layers": 2,
     "batch_size": 8,
-    "num_steps": 96,
+    "num_steps": 48,
     "eval_every": 16,
-    "lr": 1e-3,
+    "lr": 3e-3,
     "max_length": 160,
 }
 QUICK = {
@@ -267,6 +269,7 @@ def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
         "num_test": len(test_items),
         "mean_prompt_tokens": sum(i["h"].shape[0] for i in train_items) / len(train_items),
         "cut_error": cut_error,
+        "settings": dict(sizes),  # each cell its own: a resumed run may use other sizes
     }
 
 
