@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import LaplaceGuide
-from pyro_bdl.inference.laplace.state import laplace_state
+from pyro_bdl.inference.laplace.serialization import laplace_state
 from pyro_bdl.persistence import _sha256
 
 BATCH, LENGTH = 32, 64
@@ -78,7 +78,7 @@ def hash_seconds(size: int, rounds: int) -> float:
 
 def factor_bytes(guide) -> int:
     """The bytes of the curvature the guide holds: every block tensor, shared ones once."""
-    _, tensors = laplace_state(guide)
+    _, tensors = laplace_state(guide.laplace_fit, guide.sites)
     curvature = {k: v for k, v in tensors.items() if k.startswith(("factor/", "block/"))}
     return sum(value.numel() * value.element_size() for value in curvature.values())
 

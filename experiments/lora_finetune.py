@@ -58,6 +58,7 @@ from pyro_bdl.data import (
 from pyro_bdl.inference import SGHMC, Chains, LaplaceGuide, baselines, fit_laplace_lora, fit_map
 from pyro_bdl.metrics import summarize
 from pyro_bdl.models import BayesianNet, LoRAModel, lora_model
+from pyro_bdl.posterior import DrawsPosterior
 from pyro_bdl.predict import predict_proba
 
 __all__ = [
@@ -581,13 +582,22 @@ def laplace(
 # -- predictions -------------------------------------------------------------------------
 
 
+#: Class probabilities ``(S, B, C)`` of one batch: a posterior's ``predict_proba`` with its
+#: options bound (:func:`posterior_draws`).
 Draws = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def posterior_draws(posterior, *model_args, **options) -> Draws:
+    """Any method's result through the one interface (:class:`pyro_bdl.posterior.Posterior`):
+    ``batch -> posterior.predict_proba(batch, *model_args, **options)``, ``(S, B, C)``."""
+    posterior = bdl.as_posterior(posterior)
+    return lambda batch: posterior.predict_proba(batch, *model_args, **options)
 
 
 def point_draws(model: Callable, fits: Sequence[Mapping[str, torch.Tensor]]) -> Draws:
     """Class probabilities of each fitted weight value, ``(len(fits), B, C)``."""
     samples = {site: torch.stack([fit[site] for fit in fits]) for site in fits[0]}
-    return lambda batch: predict_proba(model, batch, samples=samples)
+    return posterior_draws(DrawsPosterior(model, samples))
 
 
 def guide_draws(model: Callable, guide: Callable, num_samples: int) -> Draws:
@@ -596,7 +606,8 @@ def guide_draws(model: Callable, guide: Callable, num_samples: int) -> Draws:
 
 
 def laplace_draws(guide: LaplaceGuide, num_samples: int, seed: int, link: str = "mc") -> Draws:
-    """Class probabilities of the linearised predictive, ``(S, B, C)``.
+    """Class probabilities of the linearised predictive, ``(S, B, C)``: the guide's
+    ``predict_proba`` at ``link``.
 
     ``"mc"`` gives its ``num_samples`` joint logit draws; ``"probit"`` and ``"bridge"``
     one row of closed-form probabilities (no epistemic split). ``num_data=None``: the
@@ -604,16 +615,7 @@ def laplace_draws(guide: LaplaceGuide, num_samples: int, seed: int, link: str = 
     """
     like = next(iter(guide.median().values()))
     generator = torch.Generator(device=like.device).manual_seed(seed)
-    if link != "mc":
-        return lambda batch: guide.predictive(batch, None, link=link).unsqueeze(0)
-    return lambda batch: guide.predictive(
-        batch,
-        None,
-        link="mc",
-        num_samples=num_samples,
-        return_samples=True,
-        generator=generator,
-    )
+    return posterior_draws(guide, None, link=link, num_samples=num_samples, generator=generator)
 
 
 def temperature_scaled(draws: Draws, task: Task) -> baselines.TemperatureScaled:

@@ -75,6 +75,7 @@ from experiments.lora_finetune import (
 )
 from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.data import RecordDataset, load
+from pyro_bdl.diagnostics import function_space
 from pyro_bdl.inference import BLoBGuide, fit_blob
 from pyro_bdl.metrics import auroc, uncertainty_decomposition
 from pyro_bdl.plots import plot_uncertainty_histograms
@@ -103,7 +104,7 @@ QUICK = {
     "task": TaskSpec("sst2", 16, 16, max_length=32, batch_size=8, epochs=1, validation_size=8),
     "flores_sentences": 16,
     "chains": 2,
-    "serial_draws": 2,
+    "serial_draws": 4,  # the fewest for which R-hat is defined
     "blob_samples": 3,
     "laplace_samples": 20,
     "marglik_steps": 20,
@@ -154,7 +155,13 @@ def _run(experiment: Experiment) -> dict:
     results = _summaries(cells)
     table = markdown_table(
         [{"method": method, **row} for method, row in results["table"].items()],
-        ["method", "AUROC TU", "AUROC EU", "SST-2 accuracy", "SST-2 NLL"],
+        ["method", "AUROC TU", "AUROC EU", "SST-2 accuracy", "SST-2 NLL", "function R-hat"],
+    )
+    table += (
+        "\n\nfunction R-hat: the largest split R-hat of the SST-2 test sentences' class "
+        "probabilities over the serial chain's draws (its two halves compared; Izmailov et "
+        "al. 2021, pyro_bdl.diagnostics.function_space), nan with fewer than 4 draws; the "
+        "other methods keep one draw per chain or none, for which R-hat is not defined"
     )
     (experiment.out / "ood.md").write_text(table + "\n")
     _histograms(cells, experiment)
@@ -207,6 +214,8 @@ def _score(method, task, sentences, seed, settings, experiment) -> dict:
     result = {}
     probs, labels = predict(draws, task.test_loader())
     result["sst2"] = evaluate(probs, labels)
+    if method == "SGHMC-serial":  # one chain of draws: its halves' function-space R-hat
+        result["function_rhat"] = function_space(probs.double()[None]).max_rhat
     for name, records in sentences.items():
         probs, _ = predict(draws, task.eval_loader(records))
         split = uncertainty_decomposition(probs.double())
@@ -338,6 +347,11 @@ def _summaries(cells: dict) -> dict:
             ),
             "SST-2 accuracy": mean_sd([r["sst2"]["accuracy"] for r in values]),
             "SST-2 NLL": mean_sd([r["sst2"]["nll"] for r in values]),
+            "function R-hat": (
+                mean_sd([seeds[s]["function_rhat"] for s in seeds])
+                if all("function_rhat" in cell for cell in seeds.values())
+                else "-"
+            ),
         }
     return {"table": table, "per_seed": per_seed}
 

@@ -11,6 +11,7 @@ from pyro_bdl._version import __version__
 from pyro_bdl.lift import LiftedModule, init_to_module, lift
 from pyro_bdl.likelihoods import observe
 from pyro_bdl.persistence import load, save
+from pyro_bdl.posterior import Posterior, as_posterior, predict_proba
 
 __all__ = [
     "lift",
@@ -20,6 +21,9 @@ __all__ = [
     "to_arviz",
     "save",
     "load",
+    "Posterior",
+    "as_posterior",
+    "predict_proba",
     "priors",
     "data",
     "metrics",

@@ -5,7 +5,10 @@ a :class:`~pyro_bdl.inference.sgmcmc.chains.Chains` run, a fitted guide, or a di
 draws. The result has ``posterior`` (chain, draw, *dims), ``sample_stats``, and on
 request ``log_likelihood`` (pointwise, computed draw by draw so memory stays that of
 one forward pass), ``posterior_predictive`` and ``observed_data``; a guide adds the
-parameters of its approximation as the group ``approximation``. ``arviz_stats``
+parameters of its approximation as the group ``approximation``. A network's outputs on a
+fixed probe batch of inputs, the draws judged in function space
+(:func:`pyro_bdl.diagnostics.function_space`), are the group ``function_space``: computed
+on the ``probe`` given, or those an SGMCMC kernel followed during its run. ``arviz_stats``
 (``summary``, ``rhat``, ``ess``, ``loo``) and ``arviz_plots`` read it, and
 ``to_netcdf`` round-trips it.
 
@@ -26,16 +29,15 @@ import numpy as np
 import pyro
 import torch
 import xarray as xr
-from pyro.infer import MCMC
 from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl._checks import function, instance, integer
-from pyro_bdl._draws import kept_draws
 from pyro_bdl._version import __version__
+from pyro_bdl.diagnostics import network_outputs
 from pyro_bdl.inference.minibatch import Minibatches
-from pyro_bdl.inference.sgmcmc.chains import Chains
 from pyro_bdl.inference.sgmcmc.checkpoint import read_state
 from pyro_bdl.inference.sgmcmc.store import chain_directories, open_tree
+from pyro_bdl.posterior import DrawsPosterior, as_posterior
 from pyro_bdl.predict import condition_on_sites
 
 __all__ = ["to_arviz"]
@@ -58,6 +60,7 @@ def to_arviz(
     dims: Mapping[str, Sequence[str]] | None = None,
     coords: Mapping[str, Sequence] | None = None,
     grouped_by_chain: bool = False,
+    probe: Sequence | None = None,
 ) -> xr.DataTree:
     """Convert draws of a Bayesian network's weights into an ArviZ ``DataTree``.
 
@@ -95,6 +98,13 @@ def to_arviz(
     :param dict coords: coordinate values for those dimensions.
     :param bool grouped_by_chain: whether a dict source has a leading chain dimension
         (Pyro's ``group_by_chain=True``); never guessed from the shapes.
+    :param tuple probe: the model's arguments on a batch of probe inputs (e.g.
+        ``((x_test[:64], None), num_data)``): adds the group ``function_space`` with the
+        class probabilities ``probs`` ``(chain, draw, probe, class)`` of every draw
+        (:func:`pyro_bdl.diagnostics.network_outputs`). Without it, an MCMC or Chains run
+        of an SGMCMC kernel on a lifted network gets the outputs its kernel followed on
+        its own probe batch (``probs``, or ``outputs`` for a likelihood's means or a
+        choice of a large output).
     :return: an ``xarray.DataTree``.
     """
     # Every keyword, checked at the call (locals() holds just the arguments here).
@@ -109,11 +119,12 @@ def to_arviz(
                 "log_likelihood": log_likelihood,
                 "posterior_predictive": posterior_predictive,
                 "max_coords_per_var": max_coords_per_var is not None,
+                "probe": probe is not None,
                 "num_samples": num_samples is not None,
                 "model": model is not None,
             },
         )
-    samples, stats, attrs, approximation, model = _read_source(
+    samples, stats, attrs, approximation, model, chain_ids = _read_source(
         source, num_samples, model, model_args, model_kwargs, seed, grouped_by_chain
     )
     if var_names is not None:
@@ -140,16 +151,43 @@ def to_arviz(
             groups["observed_data"] = _dataset(observed, {}, {}).squeeze(
                 ("chain", "draw"), drop=True
             )
+    outputs = _function_space_outputs(source, samples, model, probe)
+    if outputs is not None:
+        groups["function_space"] = _dataset(*outputs)
     if approximation:
         groups["approximation"] = xr.Dataset(
             {name: (_plain_dims(name, value.shape), value) for name, value in approximation.items()}
         )
-    if isinstance(source, Chains):  # on a torchrun rank other than 0: some chains only
+    if chain_ids != list(range(len(chain_ids))):  # a torchrun rank other than 0: some chains
         groups = {
-            name: group.assign_coords(chain=source.chain_ids) if "chain" in group.dims else group
+            name: group.assign_coords(chain=chain_ids) if "chain" in group.dims else group
             for name, group in groups.items()
         }
     return _tree(groups, attrs)
+
+
+def _function_space_outputs(source, samples, model, probe) -> tuple | None:
+    """``(data, dims, coords)`` of the ``function_space`` group, or None: the outputs on
+    ``probe``, else those the source's SGMCMC kernel followed for all its chains."""
+    if probe is not None:
+        if model is None:
+            raise ValueError("probe needs model=<the Pyro model> (it returns the logits)")
+        probs = network_outputs(model, *probe, samples=samples)
+        return {"probs": probs}, {"probs": ["probe", "class"]}, {}
+    # an MCMC or Chains run of an SGMCMC kernel on a lifted network
+    monitor = getattr(getattr(source, "kernel", None), "function_monitor", None)
+    if monitor is None:
+        return None
+    outputs = monitor.outputs()
+    shape = next(iter(samples.values())).shape[:2]
+    if outputs is None or outputs.shape[:2] != shape:
+        return None  # chains run elsewhere (Pyro's worker processes, other ranks)
+    if outputs.ndim == 3:
+        return {"outputs": outputs}, {"outputs": ["output"]}, {}
+    name = "probs" if monitor.probabilities else "outputs"
+    dims = ["probe", *(["class"] if monitor.probabilities else [])]
+    dims += [f"{name}_dim_{i}" for i in range(outputs.ndim - 2 - len(dims))]
+    return {name: outputs}, {name: dims}, {}
 
 
 def _tree(groups: Mapping[str, xr.Dataset], attrs: Mapping) -> xr.DataTree:
@@ -214,49 +252,27 @@ def _open_store(path, var_names: Sequence[str] | None, unsupported: Mapping[str,
 
 
 def _read_source(source, num_samples, model, model_args, model_kwargs, seed, grouped_by_chain):
-    """(samples, sample_stats, attrs, approximation, model) of any supported source."""
-    if isinstance(source, (MCMC, Chains)):
-        not_run = source._samples is None if isinstance(source, MCMC) else not source.chain_ids
-        if not_run:
-            raise ValueError(
-                f"to_arviz: source, the {type(source).__name__}, has no draws yet; call "
-                "its run(...) first"
-            )
-        samples = _numpy(source.get_samples(group_by_chain=True))
-        kernel = source.kernel
-        stats = _sample_stats(source._diagnostics)
-        attrs = {
-            **(kernel.hyperparameters() if hasattr(kernel, "hyperparameters") else {}),
-            "method": getattr(kernel, "hyperparameters", lambda: {})().get(
-                "method", type(kernel).__name__
-            ),
-            "num_chains": source.num_chains,
-            "num_samples": source.num_samples,
-            "warmup_steps": source.warmup_steps,
-        }
-        return samples, stats, attrs, {}, model or getattr(kernel, "model", None)
-    if isinstance(source, Mapping):
-        samples = _checked_draws(source, grouped_by_chain)
-        return samples, {}, {"method": "draws"}, {}, model
-    if callable(source) and hasattr(source, "approximation_parameters"):
-        if not num_samples:
-            raise ValueError("to_arviz(guide): pass num_samples=<number of draws>")
-        with torch.random.fork_rng():
-            pyro.set_rng_seed(seed)
-            draws = kept_draws(
-                lambda: _guide_draw(source, *_first_batch(model_args, model_kwargs)),
-                num_samples,
-            )
-        samples = {name: value.numpy()[np.newaxis] for name, value in draws.items()}
-        approximation = {
-            name: value.detach().cpu().numpy()
-            for name, value in source.approximation_parameters().items()
-        }
-        attrs = {"method": type(source).__name__, **source.hyperparameters()}
-        return samples, {}, attrs, approximation, model or getattr(source, "model", None)
-    raise TypeError(
-        "to_arviz: source must be a run pyro.infer.MCMC, a Chains run, a fitted guide with "
-        f"approximation_parameters(), or a dict of draws; got {type(source).__name__}"
+    """(samples, sample_stats, attrs, approximation, model, chain_ids) of any method's result,
+    through the :class:`~pyro_bdl.posterior.Posterior` interface (a dict of draws becomes a
+    :class:`~pyro_bdl.posterior.DrawsPosterior`)."""
+    if isinstance(source, Mapping):  # raw draws, checked here, where their errors are named
+        source = DrawsPosterior(
+            model, _checked_draws(source, grouped_by_chain), grouped_by_chain=True
+        )
+    posterior = as_posterior(source, model=model, caller="to_arviz")
+    drawn = posterior.draws(num_samples, *model_args, seed=seed, **model_kwargs)
+    stats = {
+        _STAT_NAMES.get(key, key): (-1 if key == "potential_energy" else 1) * np.asarray(value)
+        for key, value in drawn.sample_stats.items()
+    }
+    approximation = {name: value.numpy() for name, value in drawn.approximation.items()}
+    return (
+        _numpy(drawn.samples),
+        stats,
+        drawn.attrs,
+        approximation,
+        model or getattr(posterior, "model", None),
+        drawn.chain_ids,
     )
 
 
@@ -274,8 +290,14 @@ def _check_arguments(
     dims,
     coords,
     grouped_by_chain,
+    probe,
 ) -> dict:
     """Every keyword of :func:`to_arviz` checked at the call; the model's kwargs as a dict."""
+    if probe is not None and (isinstance(probe, (str, bytes)) or not isinstance(probe, Sequence)):
+        raise TypeError(
+            "probe must be a tuple of the model's arguments on a batch of inputs, got "
+            f"{type(probe).__name__}"
+        )
     if num_samples is not None:
         integer("num_samples", num_samples, low=1)
     if model is not None:
@@ -349,47 +371,6 @@ def _checked_draws(source: Mapping, grouped_by_chain: bool) -> dict[str, np.ndar
     if not grouped_by_chain:
         samples = {name: value[np.newaxis] for name, value in samples.items()}
     return samples
-
-
-def _first_batch(model_args, model_kwargs):
-    return Minibatches(tuple(model_args), model_kwargs).peek()
-
-
-def _guide_draw(guide, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
-    """One draw of the guide's latent sites (on its device: kept_draws moves it)."""
-    with torch.no_grad():
-        trace = pyro.poutine.trace(guide).get_trace(*args, **kwargs)
-    latent = _latent_names(guide)
-    return {
-        name: site["value"]
-        for name, site in trace.nodes.items()
-        if site["type"] == "sample"
-        and not site["is_observed"]
-        and not site_is_subsample(site)
-        and (latent is None or name in latent)
-    }
-
-
-def _latent_names(guide) -> set[str] | None:
-    prototype = getattr(guide, "prototype_trace", None)
-    if prototype is None:
-        return None
-    return {
-        name
-        for name, site in prototype.nodes.items()
-        if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
-    }
-
-
-def _sample_stats(diagnostics: Sequence[dict | None]) -> dict[str, np.ndarray]:
-    per_chain = [d.get("sample_stats") for d in diagnostics if d]
-    if not per_chain or any(stats is None for stats in per_chain):
-        return {}
-    return {
-        _STAT_NAMES.get(key, key): (-1 if key == "potential_energy" else 1)
-        * np.asarray([chain[key] for chain in per_chain], dtype=float)
-        for key in per_chain[0]
-    }
 
 
 def _numpy(samples: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:

@@ -14,6 +14,11 @@ operation over a block of ``chunk_size`` coordinates, blocks run in parallel thr
 memory stays bounded by the blocks in flight: about 35 us of CPU per coordinate, a million
 coordinates in under half a minute on two cores (``benchmarks/diagnostics.py``).
 
+For a network, R-hat of the weights is the wrong question (symmetric modes make the same
+predictions): :func:`function_space` computes R-hat and ESS of the network's outputs on
+fixed probe inputs (:func:`network_outputs`) and the agreement of the chains' predictive
+distributions (:func:`agreement`, :func:`total_variation`), as Izmailov et al. (2021).
+
 **References**
 
 [1] Vehtari, A., Gelman, A., Simpson, D., Carpenter, B. and Buerkner, P.-C. (2021).
@@ -25,6 +30,7 @@ convergence of MCMC. *Bayesian Analysis* 16(2), 667-718.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -47,12 +53,18 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_NUM_THREADS",
+    "FUNCTION_MAX_RHAT",
+    "FunctionSpace",
+    "agreement",
     "Diagnostics",
     "diagnose",
     "ess_bulk",
     "ess_tail",
+    "function_space",
+    "network_outputs",
     "rhat",
     "summary",
+    "total_variation",
 ]
 
 #: Coordinates processed together by one thread: small enough to stay in cache for 4 x 100
@@ -337,7 +349,8 @@ def _diagnose(
     """
     chunk_size = integer("chunk_size", chunk_size, low=1)
     num_threads = integer("num_threads", num_threads, low=1)
-    levels = _tail_levels(prob)
+    # arviz_base (for the default tail probability) loads xarray: only when asked for.
+    levels = _tail_levels(prob) if "ess_tail" in wanted else None
     draws = _as_draws(samples)
     num_chains, num_draws, *coord_shape = draws.shape
     flat = draws.reshape(num_chains, num_draws, -1)
@@ -680,3 +693,225 @@ def _coordinate_blocks(
         for size, step in zip(shape, steps)
     ]
     return list(itertools.product(*ranges))
+
+
+# ---------------------------------------------------------------------------------------------
+# Function space: the network's outputs on fixed inputs, not its weights
+
+
+#: Split R-hat of the outputs above this says the predictive has not converged. The largest
+#: of many R-hats exceeds Vehtari et al.'s 1.01 by chance alone (for 640 outputs of four
+#: chains of 100 independent draws it averages 1.03); 1.1 is the threshold of Gelman et
+#: al. (2013) that Izmailov et al. (2021) apply to the predictions of networks.
+FUNCTION_MAX_RHAT = 1.1
+
+
+class FunctionSpace(NamedTuple):
+    """Convergence of a network's draws judged on its outputs (Izmailov et al. 2021).
+
+    :ivar numpy.ndarray rhat: split R-hat of every output, shaped ``(probe, *output)``
+        (``nan`` for an output that no draw changes, such as a probability that is 1.0
+        in every draw).
+    :ivar numpy.ndarray ess_bulk: bulk ESS of every output, likewise.
+    :ivar float agreement: mean top-1 agreement of the chains' predictive distributions,
+        over pairs of chains (:func:`agreement`); ``nan`` for one chain or for outputs
+        that are not class probabilities.
+    :ivar float total_variation: mean total-variation distance between the chains'
+        predictive distributions (:func:`total_variation`); likewise.
+    """
+
+    rhat: np.ndarray
+    ess_bulk: np.ndarray
+    agreement: float
+    total_variation: float
+
+    @property
+    def max_rhat(self) -> float:
+        """The largest R-hat over the outputs: 1.0 if no output changes, ``nan`` with
+        fewer than 4 draws per chain (R-hat is not defined)."""
+        if np.isnan(self.ess_bulk).all():
+            return math.nan
+        return float(np.nanmax(self.rhat, initial=1.0))
+
+    @property
+    def min_ess(self) -> float:
+        """The smallest bulk ESS over the outputs (``nan`` with fewer than 4 draws)."""
+        if np.isnan(self.ess_bulk).all():
+            return math.nan
+        return float(np.nanmin(self.ess_bulk))
+
+    def converged(self, max_rhat: float = FUNCTION_MAX_RHAT, min_ess: float = 100) -> bool:
+        """Whether every output has R-hat at most ``max_rhat`` and bulk ESS at least
+        ``min_ess``."""
+        return self.max_rhat <= max_rhat and self.min_ess >= min_ess
+
+
+def function_space(outputs: np.ndarray | torch.Tensor, *, probabilities: bool = True):
+    r"""Split R-hat and bulk ESS of a network's outputs, and the agreement of its chains.
+
+    A network's posterior is symmetric: permuting the hidden units of a layer, or flipping
+    the signs of a tanh unit's weights in and out, gives other weights and the same
+    function. Chains that sit in two such modes have weight-space R-hat far above 1
+    and make the same predictions. What a user needs to have converged is the predictive
+    distribution, so Izmailov et al. (2021) judge convergence in function space: R-hat of
+    the predictions on fixed inputs over chains, and how much the chains' predictive
+    distributions agree. Compute ``outputs`` with :func:`network_outputs` on a probe set
+    of a few dozen inputs (test or training inputs).
+
+    **References**
+
+    Izmailov, P., Vikram, S., Hoffman, M. D. and Wilson, A. G. (2021). What are Bayesian
+    neural network posteriors really like? *ICML*.
+
+    Example::
+
+        probs = network_outputs(model, (x_probe, None), num_data,
+                                samples=mcmc.get_samples(group_by_chain=True))
+        fs = function_space(probs)      # probs: (chain, draw, probe, class)
+        fs.max_rhat, fs.min_ess, fs.agreement, fs.total_variation
+
+    :param outputs: the outputs shaped ``(chain, draw, probe, *output)``: class
+        probabilities (the default), or any real outputs (logits, a regression's mean)
+        with ``probabilities=False``.
+    :type outputs: numpy.ndarray or torch.Tensor
+    :param bool probabilities: whether the last axis holds class probabilities; only then
+        are :func:`agreement` and :func:`total_variation` defined (else ``nan``).
+    :rtype: FunctionSpace
+    """
+    instance("probabilities", probabilities, bool, "True or False")
+    draws = _as_draws(outputs)
+    if draws.ndim < 3:
+        raise ValueError(
+            "outputs must be shaped (chain, draw, probe, *output), got shape "
+            f"{draws.shape}; network_outputs returns that shape"
+        )
+    r_hat, ess = _diagnose(draws, ("rhat", "ess_bulk"), chunk_size=DEFAULT_CHUNK_SIZE,
+                           num_threads=1)  # fmt: skip
+    # An output no draw changes has converged; arviz's nan / inf for it is not a signal.
+    fixed = (draws == draws[:1, :1]).all(axis=(0, 1))
+    r_hat = np.where(fixed, np.nan, r_hat)
+    agree = tv = np.nan
+    if probabilities and draws.shape[0] > 1:
+        agree, tv = agreement(draws), total_variation(draws)
+    return FunctionSpace(r_hat, ess, agree, tv)
+
+
+def agreement(probs: np.ndarray | torch.Tensor) -> float:
+    r"""Top-1 agreement of the chains' predictive distributions (Izmailov et al. 2021).
+
+    Each chain's predictive is the mean of its draws' class probabilities; two chains
+    agree on an input when their predictives' most probable classes are the same. The
+    result is the fraction of inputs on which they agree, averaged over pairs of chains:
+
+    .. math:: \frac{2}{K (K - 1)} \sum_{i < j} \frac{1}{n} \sum_{x} \mathbb 1\big[
+              \arg\max_c \bar p_i(c \mid x) = \arg\max_c \bar p_j(c \mid x)\big].
+
+    1 when every chain would predict the same labels.
+
+    Example::
+
+        agreement(network_outputs(model, probe, num_data, samples=grouped))
+
+    :param probs: class probabilities ``(chain, draw, probe, class)``, two chains or more.
+    :type probs: numpy.ndarray or torch.Tensor
+    :rtype: float
+    """
+    top = _chain_predictives(probs, "agreement").argmax(axis=-1)
+    return _mean_over_pairs(lambda i, j: (top[i] == top[j]).mean(), len(top))
+
+
+def total_variation(probs: np.ndarray | torch.Tensor) -> float:
+    r"""Mean total-variation distance between the chains' predictive distributions.
+
+    With :math:`\bar p_i(\cdot \mid x)` chain :math:`i`'s mean class probabilities,
+
+    .. math:: \frac{2}{K (K - 1)} \sum_{i < j} \frac{1}{n} \sum_{x} \frac{1}{2}
+              \sum_c \big|\bar p_i(c \mid x) - \bar p_j(c \mid x)\big|,
+
+    0 when the chains predict the same distributions, 1 when they put their mass on
+    different classes (Izmailov et al. 2021).
+
+    Example::
+
+        total_variation(network_outputs(model, probe, num_data, samples=grouped))
+
+    :param probs: class probabilities ``(chain, draw, probe, class)``, two chains or more.
+    :type probs: numpy.ndarray or torch.Tensor
+    :rtype: float
+    """
+    mean = _chain_predictives(probs, "total_variation")
+    return _mean_over_pairs(lambda i, j: 0.5 * np.abs(mean[i] - mean[j]).sum(-1).mean(), len(mean))
+
+
+def network_outputs(model, *args, samples, **kwargs) -> np.ndarray:
+    """A classifier's class probabilities on fixed inputs under every draw, by chain.
+
+    The model runs once per draw with its latent sites set to the draw (as
+    :func:`pyro_bdl.predict.predict_proba`, whose checks it shares), and the softmax of
+    the logits it returns is kept: the array :func:`function_space` reads.
+
+    Example::
+
+        probs = network_outputs(model, (x_test[:64], None), num_data,
+                                samples=mcmc.get_samples(group_by_chain=True))
+        probs.shape  # (chain, draw, 64, classes)
+
+    :param callable model: a Pyro model returning logits shaped ``(batch, classes)``.
+    :param args: the model's arguments for the probe inputs (a batch, not a DataLoader).
+    :param samples: the draws grouped by chain: a dict ``site -> (chain, draw, *shape)``
+        (``mcmc.get_samples(group_by_chain=True)``, ``Chains.get_samples(group_by_chain=True)``)
+        or an ArviZ tree or posterior with ``chain`` and ``draw`` dimensions
+        (:func:`pyro_bdl.to_arviz`).
+    :param kwargs: the model's keyword arguments.
+    :return: probabilities ``(chain, draw, batch, classes)``, float64.
+    :rtype: numpy.ndarray
+    """
+    from pyro_bdl._offload import _is_xarray, _posterior_group
+    from pyro_bdl.predict import predict_proba
+
+    posterior = _posterior_group(samples)
+    if _is_xarray(posterior):
+        shape = (posterior.sizes.get("chain", 0), posterior.sizes.get("draw", 0))
+        flat = posterior  # predict_proba reads it chain by chain
+    elif isinstance(samples, dict) and samples:
+        values = {name: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v)
+                  for name, v in samples.items()}  # fmt: skip
+        shapes = {tuple(v.shape[:2]) for v in values.values()}
+        if any(v.dim() < 2 for v in values.values()) or len(shapes) > 1:
+            raise ValueError(
+                "samples must be grouped by chain, each site (chain, draw, *shape) as "
+                "mcmc.get_samples(group_by_chain=True) returns them; got shapes "
+                f"{ {name: tuple(v.shape) for name, v in values.items()} }"
+            )
+        (shape,) = shapes
+        flat = {name: v.reshape(-1, *v.shape[2:]) for name, v in values.items()}
+    else:
+        raise TypeError(
+            "samples must be draws grouped by chain (a dict site -> (chain, draw, *shape), "
+            f"or an ArviZ posterior), got {type(samples).__name__}"
+        )
+    probs = predict_proba(model, *args, samples=flat, **kwargs)
+    return probs.detach().cpu().double().numpy().reshape(*shape, *probs.shape[1:])
+
+
+def _chain_predictives(probs: np.ndarray | torch.Tensor, caller: str) -> np.ndarray:
+    """Each chain's mean class probabilities ``(chain, probe, class)``, checked."""
+    draws = _as_draws(probs)
+    if draws.ndim != 4 or draws.shape[0] < 2:
+        raise ValueError(
+            f"{caller}: probs must be class probabilities shaped (chain, draw, probe, class) "
+            f"with two chains or more, got shape {draws.shape}"
+        )
+    sums = draws.sum(axis=-1)
+    if (draws < 0).any() or not np.allclose(sums, 1.0, atol=1e-3):
+        raise ValueError(
+            f"{caller}: probs must be class probabilities (non-negative, summing to 1 over "
+            f"the last axis; sums range {sums.min():.3g} to {sums.max():.3g}); apply a "
+            "softmax to logits first, or use network_outputs"
+        )
+    return draws.mean(axis=1, dtype=np.float64)
+
+
+def _mean_over_pairs(score, num_chains: int) -> float:
+    pairs = itertools.combinations(range(num_chains), 2)
+    return float(np.mean([score(i, j) for i, j in pairs]))

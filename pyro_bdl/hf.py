@@ -220,7 +220,7 @@ class _VariationalTrainer(Trainer):
             return predict_proba(model, batch, None, samples=means)[0]
         total = 0.0
         for _ in range(self.num_samples):  # one draw at a time: no (S, B, L, V) tensor
-            total = total + predict_proba(model, batch, None, guide=self.guide, num_samples=1)[0]
+            total = total + self.guide.predict_proba(batch, None, num_samples=1)[0]
         return total / self.num_samples
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -40,6 +40,7 @@ __all__ = [
     "lift",
     "LiftedModule",
     "init_to_module",
+    "is_lifted_site",
     "parameter_owner",
     "recording_calls",
     "Selector",
@@ -73,6 +74,14 @@ def init_to_module(site: dict, fallback: Callable[[dict], torch.Tensor] = init_t
     if site["fn"].support.is_discrete:
         return init_to_sample(site)
     return fallback(site)
+
+
+def is_lifted_site(site: dict) -> bool:
+    """Whether a Pyro sample site is a weight of a network made by :func:`lift`.
+
+    :param dict site: a Pyro sample-site message or trace node.
+    """
+    return site["infer"].get(_INIT_KEY) is not None
 
 
 def _selector_matches(

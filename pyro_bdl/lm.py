@@ -48,7 +48,7 @@ import torch
 from tqdm.auto import trange
 
 from pyro_bdl._checks import function, instance, integer, one_of, real
-from pyro_bdl._draws import draw_at
+from pyro_bdl._offload import draw_at
 from pyro_bdl.lift import LiftedModule, recording_calls
 from pyro_bdl.metrics import _entropy
 from pyro_bdl.predict import condition_on_sites, guide_draw, posterior_size

@@ -13,7 +13,16 @@ process. What is saved:
   training continues step for step (a guide saved alone restarts the optimiser);
 * draws (a run ``pyro.infer.MCMC`` or :class:`~pyro_bdl.inference.Chains`): the chunked
   draw store the SGMCMC checkpoints write (``chain_<c>/draws.zarr``), which
-  ``bdl.to_arviz(directory)`` opens lazily.
+  ``bdl.to_arviz(directory)`` opens lazily. It is the one layout of draws on disk:
+  :func:`load` also reads a kernel's ``checkpoint`` directory (no manifest: its chains'
+  saved states say the settings and how many draws are final), with a warning that its
+  files are not verified;
+* a baseline's :class:`~pyro_bdl.inference.baselines.Predictor` (MAP, MLE, MC dropout, deep
+  ensembles, BBB): its ``state_dict()``, every member's fitted values.
+
+Every result goes through one interface, :class:`~pyro_bdl.posterior.Posterior`: its
+``layout`` chooses the writer (``"guide"``, ``"draws"``, ``"members"``; a training run
+says ``"training"``), the manifest's ``kind`` the reader; neither switches on classes.
 
 The directory (format version 2)::
 
@@ -27,6 +36,9 @@ The directory (format version 2)::
     adapter_model.safetensors  peft adapter holding the posterior mean (the MAP, M, m), so
                                PeftModel.from_pretrained(base, directory) loads the mean model
     chain_<c>/draws.zarr/      draws (instead of the guide's files)
+
+A predictor's directory holds ``manifest.json`` (kind ``members``, its settings and the
+structure of its members) and ``posterior.safetensors`` (its state dict).
 
 Nothing is ever unpickled: tensors are safetensors (a JSON header and raw numbers), the
 rest is JSON, draws are zarr format 3 of plain numbers. A directory holding anything that
@@ -72,25 +84,22 @@ from pathlib import Path
 import pyro
 import torch
 from pyro.distributions import constraints
-from pyro.infer import MCMC
 from pyro.poutine.util import site_is_subsample
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pyro_bdl._checks import function, instance
+from pyro_bdl.inference.baselines import Predictor
 from pyro_bdl.inference.guide_state import (
-    STATE_KEY,
-    GuideState,
     SiteMismatchError,
     as_json,
     check_sites,
-    decode_json,
     dtype_from_name,
     dtype_name,
-    encode_json,
 )
 from pyro_bdl.inference.laplace import LaplaceGuide
 from pyro_bdl.inference.sgmcmc.chains import Chains
+from pyro_bdl.inference.sgmcmc.checkpoint import read_state
 from pyro_bdl.inference.sgmcmc.schedules import Constant, RobbinsMonro
 from pyro_bdl.inference.sgmcmc.store import DrawStore, chain_directories
 from pyro_bdl.inference.sites import prior_family
@@ -102,6 +111,7 @@ from pyro_bdl.inference.vi import (
     MeanFieldGuide,
 )
 from pyro_bdl.lift import recording_calls
+from pyro_bdl.posterior import STATE_KEY, as_posterior, decode_json, encode_json
 
 __all__ = [
     "save",
@@ -125,6 +135,7 @@ MANIFEST = "manifest.json"
 TENSORS = "posterior.safetensors"
 _GUIDES = {cls.__name__: cls for cls in (LaplaceGuide, MeanFieldGuide, IVONGuide, BLoBGuide)}
 _TRAINING = {cls.__name__: cls for cls in (IVONSVI, BLoBSVI)}
+_MEMBERS = {"Predictor": Predictor}
 _SCHEDULES = {"Constant": Constant, "RobbinsMonro": RobbinsMonro}
 # Files that hold (or may hold) pickles: PyTorch's .pt/.bin, pickle, joblib, Lightning.
 _PICKLE_SUFFIXES = {".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".joblib", ".dill"}
@@ -162,11 +173,13 @@ class SupportMismatchError(SiteMismatchError):
 # -- save ------------------------------------------------------------------------------------
 
 
-Posterior = GuideState | IVONSVI | BLoBSVI | MCMC | Chains
-
-
-def save(posterior: Posterior, directory: str | os.PathLike) -> Path:
+def save(posterior, directory: str | os.PathLike) -> Path:
     """Write a fitted posterior to ``directory`` (created if needed); :func:`load` reads it.
+
+    Any method's result goes through one interface (:class:`~pyro_bdl.posterior.Posterior`),
+    whose ``layout`` says how it is written: a guide's ``state_dict()`` as safetensors, a
+    run's draws as one chunked store per chain (the layout of a kernel's checkpoint), a
+    predictor's fitted members as safetensors.
 
     Example::
 
@@ -181,27 +194,29 @@ def save(posterior: Posterior, directory: str | os.PathLike) -> Path:
         curvature, :class:`~pyro_bdl.inference.MeanFieldGuide`,
         :class:`~pyro_bdl.inference.BLoBGuide`, :class:`~pyro_bdl.inference.IVONGuide`),
         a training run to resume (:class:`~pyro_bdl.inference.IVONSVI`,
-        :class:`~pyro_bdl.inference.BLoBSVI`: the guide and the optimiser's state), or
-        draws (a run ``pyro.infer.MCMC`` or :class:`~pyro_bdl.inference.Chains`).
+        :class:`~pyro_bdl.inference.BLoBSVI`: the guide and the optimiser's state),
+        draws (a run ``pyro.infer.MCMC`` or :class:`~pyro_bdl.inference.Chains`, a
+        :class:`~pyro_bdl.posterior.DrawsPosterior`), or a baseline's
+        :class:`~pyro_bdl.inference.baselines.Predictor`.
     :param directory: where to write; the files of an earlier save there are replaced.
         Draws need a directory without chain stores.
     :return: the directory.
     """
     instance("directory", directory, (str, os.PathLike), "a directory path")
     directory = Path(directory)
-    if isinstance(posterior, (MCMC, Chains)):
-        return _save_draws(posterior, directory)
-    training = None
-    if isinstance(posterior, tuple(_TRAINING.values())):
-        training, guide = posterior, posterior.guide
-    elif isinstance(posterior, GuideState):
-        guide = posterior
-    else:
+    training = posterior if getattr(posterior, "layout", None) == "training" else None
+    try:
+        fitted = as_posterior(posterior.guide if training else posterior, caller="save")
+    except TypeError:
         raise TypeError(
             "save: posterior must be a fitted guide (LaplaceGuide, MeanFieldGuide, BLoBGuide, "
-            "IVONGuide), an IVONSVI or BLoBSVI to resume, or a run MCMC or Chains; got "
-            f"{type(posterior).__name__}"
-        )
+            "IVONGuide), an IVONSVI or BLoBSVI to resume, a run MCMC or Chains, or a "
+            f"baselines Predictor; got {type(posterior).__name__}"
+        ) from None
+    return _WRITERS[fitted.layout](fitted, directory, training)
+
+
+def _save_guide(guide, directory: Path, training=None) -> Path:
     state = guide.state_dict()
     header = decode_json(state.pop(STATE_KEY))
     if header["sites"] is None:
@@ -211,16 +226,13 @@ def save(posterior: Posterior, directory: str | os.PathLike) -> Path:
         )
     tensors = {"guide/" + key: value for key, value in state.items()}
     manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "library_version": _version(),
-        "kind": "guide",
-        "method": header["class"],
+        **_header("guide", header["class"]),
         "sites": _described(header["sites"], _site_fns(guide.prototype_trace)),
         "guide": header,
     }
-    if isinstance(guide, LaplaceGuide):
-        manifest["curvature"] = guide.curvature.name
+    curvature = header["settings"].get("curvature")
+    if isinstance(curvature, Mapping):  # a Laplace guide's structure, named for readers
+        manifest["curvature"] = curvature["curvature"]
     if training is not None:
         skeleton, extra = _encode(training.state_dict(), _keep_tensor)
         tensors.update({"training/" + key: value for key, value in extra.items()})
@@ -238,6 +250,39 @@ def save(posterior: Posterior, directory: str | os.PathLike) -> Path:
     manifest["files"] = {name: _file_entry(directory / name) for name in written}
     _write_json(directory / MANIFEST, manifest)
     return directory
+
+
+def _save_members(predictor, directory: Path, training=None) -> Path:
+    """A predictor's fitted members: its state dict as safetensors, its structure as JSON."""
+    state = predictor.state_dict()
+    header = decode_json(state.pop(STATE_KEY))
+    # The sites are those of the members' weights (a guide member's mean stands for it).
+    drawn = predictor.draws(0).samples
+    manifest = {
+        **_header("members", type(predictor).__name__),
+        "settings": as_json(predictor.hyperparameters()),
+        "sites": {
+            name: {"shape": list(value.shape[2:]), "dtype": dtype_name(value.dtype)}
+            for name, value in drawn.items()
+        },
+        "state": header,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    _remove_previous(directory)
+    _write_tensors(directory / TENSORS, state)
+    manifest["files"] = {TENSORS: _file_entry(directory / TENSORS)}
+    _write_json(directory / MANIFEST, manifest)
+    return directory
+
+
+def _header(kind: str, method: str) -> dict:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "library_version": _version(),
+        "kind": kind,
+        "method": method,
+    }
 
 
 def _model_example(guide, sites: dict) -> tuple[dict | None, list]:
@@ -296,47 +341,41 @@ def _write_adapter(directory: Path, guide, nets: list) -> list[str]:
     return ["adapter_config.json", "adapter_model.safetensors"]
 
 
-def _save_draws(run, directory: Path) -> Path:
-    if isinstance(run, MCMC) and run._samples is None:
-        raise ValueError("save: the MCMC has no draws yet; call its run(...) first")
-    samples = run.get_samples(group_by_chain=True)
-    if not samples:
-        raise ValueError(f"save: the {type(run).__name__} has no draws yet; run it first")
-    chains = run.chain_ids if isinstance(run, Chains) else list(range(run.num_chains))
+def _save_draws(posterior, directory: Path, training=None) -> Path:
+    """Draws as one chunked store per chain (``chain_<c>/draws.zarr``), the layout a
+    kernel's checkpoint has; the manifest lists every file of them."""
+    drawn = posterior.draws()
+    chains = drawn.chain_ids
     taken = [f"chain_{c}" for c in chains if (directory / f"chain_{c}").exists()]
     if taken:
         raise ValueError(
             f"save: {directory} already holds chain stores {taken[:3]}; save draws to a new "
             "directory (a kernel's checkpoint directory is already such a store)"
         )
-    num_draws = next(iter(samples.values())).shape[1]
+    num_draws = drawn.num_draws
     for k, chain in enumerate(chains):
-        stats = _chain_stats(run._diagnostics[k] if k < len(run._diagnostics) else None, num_draws)
         store = DrawStore(directory / f"chain_{chain}" / "draws.zarr", chain)
         for draw in range(num_draws):
-            values = {name: value[k, draw] for name, value in samples.items()}
-            store.append(values, {key: values_[draw] for key, values_ in stats.items()})
+            values = {name: value[k, draw] for name, value in drawn.samples.items()}
+            stats = {key: float(stat[k, draw]) for key, stat in drawn.sample_stats.items()}
+            store.append(values, stats)
             if store.chunk_is_full:
                 store.flush()
         store.flush()
-    kernel = run.kernel
+    run_keys = ("num_chains", "num_samples", "warmup_steps")
     manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "library_version": _version(),
-        "kind": "draws",
-        "method": type(kernel).__name__,
-        "settings": as_json(kernel.hyperparameters()) if hasattr(kernel, "hyperparameters") else {},
+        **_header("draws", drawn.attrs.get("method", type(posterior).__name__)),
+        "settings": as_json({k: v for k, v in drawn.attrs.items() if k not in run_keys}),
         "sites": _described(
             {
                 name: {"shape": list(value.shape[2:]), "dtype": dtype_name(value.dtype)}
-                for name, value in samples.items()
+                for name, value in drawn.samples.items()
             },
-            _kernel_site_fns(kernel),
+            drawn.site_fns,
         ),
         "chains": chains,
         "num_samples": num_draws,
-        "warmup_steps": run.warmup_steps,
+        "warmup_steps": int(drawn.attrs.get("warmup_steps", 0)),
         "files": {
             f"chain_{c}/draws.zarr": _directory_entry(directory / f"chain_{c}" / "draws.zarr")
             for c in chains
@@ -346,21 +385,7 @@ def _save_draws(run, directory: Path) -> Path:
     return directory
 
 
-def _kernel_site_fns(kernel) -> dict:
-    """The distributions of the latent sites a kernel sampled, where it keeps them: an
-    SGMCMC kernel's target, Pyro's HMC and NUTS' prototype trace (else none)."""
-    sites = getattr(getattr(kernel, "target", None), "sites", None)
-    if isinstance(sites, Mapping):
-        return {name: site["fn"] for name, site in sites.items()}
-    trace = getattr(kernel, "_prototype_trace", None)
-    return _site_fns(trace) if isinstance(trace, pyro.poutine.Trace) else {}
-
-
-def _chain_stats(diagnostics, num_draws: int) -> dict[str, list[float]]:
-    stats = diagnostics.get("sample_stats") if isinstance(diagnostics, Mapping) else None
-    if not isinstance(stats, Mapping):
-        return {}
-    return {key: list(values) for key, values in stats.items() if len(values) == num_draws}
+_WRITERS = {"guide": _save_guide, "draws": _save_draws, "members": _save_members}
 
 
 # -- load ------------------------------------------------------------------------------------
@@ -374,7 +399,7 @@ def load(
     model_kwargs: Mapping | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
-) -> GuideState | IVONSVI | BLoBSVI | SavedChains:
+) -> object:
     """Read back what :func:`save` wrote: a guide, a training run or draws, on ``model``.
 
     A guide comes back ready for ``predictive``, ``Predictive``, ``predict_proba``,
@@ -382,7 +407,8 @@ def load(
     ``IVONSVI`` or ``BLoBSVI`` comes back with its guide and optimiser, its next step the
     one the saved run would have taken; draws come back as
     :class:`~pyro_bdl.persistence.SavedChains`, with the interface of
-    :class:`~pyro_bdl.inference.Chains`.
+    :class:`~pyro_bdl.inference.Chains` (from a kernel's checkpoint directory too); a
+    predictor comes back as a :class:`~pyro_bdl.inference.baselines.Predictor`.
 
     The model runs once (on zeros shaped like the arguments it was fitted with, or on
     ``model_args``) to rebuild what derives from it and to check its latent sites against
@@ -432,8 +458,10 @@ def load(
     _warn_if_unverified(directory, manifest)
     args = (tuple(model_args), dict(model_kwargs or {}))
     given = bool(model_args or model_kwargs)
-    if manifest["kind"] == "draws":
-        return _load_draws(directory, manifest, model, args if given else None, device, dtype)
+    return _READERS[manifest["kind"]](directory, manifest, model, args, given, device, dtype)
+
+
+def _load_guide(directory, manifest, model, args, given, device, dtype):
     header = manifest["guide"]
     guide = _built(_GUIDES[header["class"]]._from_settings, model, header["settings"])
     if not given:
@@ -466,6 +494,15 @@ def load(
     svi = _built(_TRAINING[training["class"]], model, guide, **settings)
     svi.load_state_dict(_decode(training["state"], lambda spec: extra[spec["key"]]))
     return svi
+
+
+def _load_members(directory, manifest, model, args, given, device, dtype):
+    if given:
+        _check_model(model, args, manifest["sites"])
+    tensors = _read_tensors(directory / TENSORS)
+    state = {key: _convert(value, device, dtype) for key, value in tensors.items()}
+    state[STATE_KEY] = encode_json(manifest["state"])
+    return _MEMBERS[manifest["method"]].from_state_dict(model, state)
 
 
 def _part(tensors: dict[str, torch.Tensor], part: str) -> dict[str, torch.Tensor]:
@@ -526,16 +563,22 @@ def _convert(value: torch.Tensor, device, dtype) -> torch.Tensor:
     return value if device is None else value.to(device)
 
 
-def _load_draws(directory, manifest, model, args, device, dtype) -> SavedChains:
-    if args is not None:
-        trace, _ = _run_model(model, *args)
-        check_sites(
-            {name: entry["shape"] for name, entry in manifest["sites"].items()},
-            _latent_shapes(trace),
-            "the model",
-        )
-        _check_support(manifest["sites"], _site_fns(trace))
+def _load_draws(directory, manifest, model, args, given, device, dtype) -> SavedChains:
+    if given:
+        _check_model(model, args, manifest["sites"])
     return SavedChains(directory, manifest, model, device, dtype)
+
+
+def _check_model(model, args: tuple, sites: dict) -> None:
+    """The model's latent sites, in one run on ``args``, against the saved ones."""
+    trace, _ = _run_model(model, *args)
+    check_sites(
+        {name: entry["shape"] for name, entry in sites.items()}, _latent_shapes(trace), "the model"
+    )
+    _check_support(sites, _site_fns(trace))
+
+
+_READERS = {"guide": _load_guide, "draws": _load_draws, "members": _load_members}
 
 
 class SavedChains(Chains):
@@ -565,11 +608,13 @@ class SavedChains(Chains):
             self._read = {}
             for path in chain_directories(self.directory):
                 store = DrawStore(path / "draws.zarr", int(path.name.removeprefix("chain_")))
+                # A checkpoint's store may hold a few draws its state does not know yet.
+                stop = min(len(store), self.num_samples)
                 draws = {
                     name: _convert(value, self._device, self._dtype)
-                    for name, value in store.read(0, len(store)).items()
+                    for name, value in store.read(0, stop).items()
                 }
-                self._read[store.chain] = (draws, {"sample_stats": store.stats()})
+                self._read[store.chain] = (draws, {"sample_stats": store.stats(stop)})
         return self._read
 
     def run(self, *args, **kwargs) -> None:
@@ -630,7 +675,7 @@ def _looks_pickled(head: bytes) -> bool:
 def _read_manifest(directory: Path) -> dict:
     path = directory / MANIFEST
     if not path.is_file():
-        raise ManifestError(f"load: {directory} has no {MANIFEST}; it was not written by bdl.save")
+        return _checkpoint_manifest(directory)
     try:
         manifest = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -655,8 +700,14 @@ def _read_manifest(directory: Path) -> dict:
         for key in ("num_samples", "warmup_steps"):
             _require(manifest, key, int, path)
         return manifest
+    if kind == "members":
+        for key, kind_ in (("settings", dict), ("state", dict), ("method", str)):
+            _require(manifest, key, kind_, path)
+        if manifest["method"] not in _MEMBERS:
+            raise ManifestError(f"load: {path} holds a {manifest['method']!r}, not a Predictor")
+        return manifest
     if kind != "guide":
-        raise ManifestError(f"load: {path} has kind {kind!r}, not 'guide' or 'draws'")
+        raise ManifestError(f"load: {path} has kind {kind!r}, not 'guide', 'draws' or 'members'")
     header = _require(manifest, "guide", dict, path)
     for key, kind_ in (("settings", dict), ("sites", dict), ("state", dict)):
         _require(header, key, kind_, path)
@@ -670,6 +721,34 @@ def _read_manifest(directory: Path) -> dict:
     ):
         raise ManifestError(f"load: {path} has a malformed 'training' entry")
     return manifest
+
+
+def _checkpoint_manifest(directory: Path) -> dict:
+    """What a manifest would say of a kernel's checkpoint directory (draws in the one layout,
+    ``chain_<c>/draws.zarr``, beside each chain's ``state.safetensors``), read from the
+    chains' saved states; it lists no files, so nothing is verified."""
+    try:
+        chains = chain_directories(directory)
+    except FileNotFoundError:
+        raise ManifestError(
+            f"load: {directory} has no {MANIFEST}; it was not written by bdl.save"
+        ) from None
+    states = [read_state(path / "state.safetensors")[1] for path in chains]
+    settings = dict(states[0]["settings"])
+    sites = settings.pop("sites")
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "checkpoint": True,
+        "kind": "draws",
+        "method": settings.get("method", "unknown"),
+        "settings": {k: v for k, v in settings.items() if k != "warmup_steps"},
+        "sites": {name: {"shape": shape} for name, shape in sites.items()},
+        "chains": [int(path.name.removeprefix("chain_")) for path in chains],
+        "num_samples": min(state["num_draws"] for state in states),
+        "warmup_steps": int(settings.get("warmup_steps", 0)),
+        "files": {},
+    }
 
 
 def _require(mapping: dict, key: str, kind: type, path: Path):
@@ -743,6 +822,15 @@ def _check_file(path: Path, entry: dict, hashed: bool) -> None:
 
 
 def _warn_if_unverified(directory: Path, manifest: dict) -> None:
+    if manifest.get("checkpoint"):
+        warnings.warn(
+            f"load: {directory} is a kernel's checkpoint directory, without the manifest "
+            "bdl.save writes: its files are not verified against hashes. Save it with "
+            "bdl.save(bdl.load(directory, model), new_directory) to record them",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
     if manifest["format_version"] < VERIFIED_FORMAT:
         warnings.warn(
             f"load: {directory} was written in format version {manifest['format_version']} "

@@ -27,7 +27,7 @@ from pyro.poutine.condition_messenger import ConditionMessenger
 from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl._checks import function, integer
-from pyro_bdl._draws import draw_at, num_draws
+from pyro_bdl._offload import draw_at, num_draws
 from pyro_bdl.likelihoods import _device, _parameter
 from pyro_bdl.model_checks import check_model_guide, check_site_shapes
 

@@ -264,3 +264,29 @@ def test_cpu_draws_are_conditioned_into_a_cuda_model(run):
     np.testing.assert_allclose(
         tree["log_likelihood"]["y"].values, reference["log_likelihood"]["y"].values, rtol=1e-6
     )
+
+
+def test_function_space_group_from_the_kernels_probe_and_from_a_given_probe():
+    from pyro_bdl.diagnostics import function_space, network_outputs
+
+    x, y, model = _problem()
+    chains = Chains(SGLD(model, step_size=0.01), num_samples=5, warmup_steps=2, num_chains=2,
+                    seed=0, disable_progbar=True)  # fmt: skip
+    chains.run(x, y)
+    # The kernel followed the outputs on its first batch (all 30 inputs here) at every
+    # kept draw: the same as computing them from the draws afterwards, to rounding.
+    tree = bdl.to_arviz(chains)
+    followed = tree["function_space"]["probs"]
+    assert followed.dims == ("chain", "draw", "probe", "class") and followed.shape == (2, 5, 30, 3)
+    grouped = chains.get_samples(group_by_chain=True)
+    np.testing.assert_allclose(followed.values, network_outputs(model, x, y, samples=grouped),
+                               rtol=1e-12)  # fmt: skip
+    given = bdl.to_arviz(chains, probe=(x[:7], None))["function_space"]["probs"]
+    assert given.shape == (2, 5, 7, 3)
+    # network_outputs reads an ArviZ tree's posterior chain by chain, as the dict
+    np.testing.assert_allclose(network_outputs(model, x[:7], None, samples=tree), given.values)
+    assert np.isfinite(function_space(given.values).max_rhat)
+    with pytest.raises(TypeError, match="probe must be a tuple of the model's arguments"):
+        bdl.to_arviz(chains, probe=x)
+    # A dict of draws has no kernel: no group unless a probe is given.
+    assert "function_space" not in bdl.to_arviz(grouped, grouped_by_chain=True).children

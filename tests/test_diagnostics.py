@@ -279,3 +279,82 @@ def test_coordinate_blocks_cover_every_coordinate_once(shape, chunks, entries):
         seen[block] += 1
         assert seen[block].size <= max(entries, shape[-1] if shape else 1)
     assert (seen == 1).all()
+
+
+# -- function space ----------------------------------------------------------------------------
+# The sign-flip network of tests/sign_flip.py: chains around a mode and its mirror image hold
+# different weights and make the same predictions.
+
+
+def test_mirrored_modes_have_high_weight_rhat_and_function_rhat_near_one():
+    from tests.sign_flip import MODE, draws_near, mirrored, sign_flip_model
+
+    model, x, _ = sign_flip_model()
+    # 4 chains of 100 independent draws: the largest R-hat of iid draws over 640 outputs is
+    # 1.03 on average (1.034 at most in 20 seeds), so over these 16 outputs 1.05 is a wide
+    # bound. The chains' weights differ by 2 x 1.5 against a spread of 0.05: two pairs of
+    # chains that never overlap, for which the rank-normalised R-hat of four chains is 1.73.
+    samples = draws_near([MODE, mirrored(MODE)] * 2, num_draws=100)
+    probs = diagnostics.network_outputs(model, x[::25], samples=samples)
+    assert probs.shape == (4, 100, 8, 2) and probs.dtype == np.float64
+    assert np.nanmax(diagnostics.rhat(samples["0.weight"])) > 1.7
+    fs = diagnostics.function_space(probs)
+    assert fs.max_rhat < 1.05 and fs.converged()
+    assert fs.rhat.shape == (8, 2) and fs.min_ess > 200  # 400 iid draws
+    # Same function in every chain: the predictives agree on every input and their total
+    # variation is the Monte Carlo error of a 100-draw mean (about 0.005).
+    assert fs.agreement == 1.0 and fs.total_variation < 0.01
+
+
+def test_chains_that_disagree_in_function_space_have_high_function_rhat():
+    from tests.sign_flip import MODE, draws_near, flipped_output, sign_flip_model
+
+    model, x, _ = sign_flip_model()
+    samples = draws_near([MODE, flipped_output(MODE)] * 2, num_draws=100)
+    fs = diagnostics.function_space(diagnostics.network_outputs(model, x[::25], samples=samples))
+    # The flipped output layer predicts the other class wherever |w2 tanh(w1 x)| is large.
+    assert fs.max_rhat > 1.5 and not fs.converged()  # 1.73 for chains that never overlap
+    assert fs.agreement < 0.5 and fs.total_variation > 0.5
+
+
+def test_agreement_and_total_variation_of_known_predictives():
+    # Two chains, constant draws: predictives [0.9, 0.1] and [0.4, 0.6] on input 0 (top
+    # classes differ, TV 0.5) and the same [0.2, 0.8] on input 1 (agree, TV 0).
+    chain_0 = np.array([[0.9, 0.1], [0.2, 0.8]])
+    chain_1 = np.array([[0.4, 0.6], [0.2, 0.8]])
+    probs = np.stack([np.broadcast_to(c, (5, 2, 2)) for c in (chain_0, chain_1)])
+    assert diagnostics.agreement(probs) == pytest.approx(0.5)
+    assert diagnostics.total_variation(probs) == pytest.approx(0.25)
+    fs = diagnostics.function_space(probs)
+    # Input 1's outputs never change (nan, converged); input 0's differ between chains
+    # that each stay put: infinite R-hat.
+    assert np.isnan(fs.rhat[1]).all() and np.isinf(fs.rhat[0]).all() and not fs.converged()
+
+
+def test_function_space_names_what_is_wrong_with_its_input():
+    with pytest.raises(ValueError, match=r"\(chain, draw, probe"):
+        diagnostics.function_space(np.zeros((2, 10)))
+    logits = np.random.default_rng(0).normal(size=(2, 10, 3, 4))
+    with pytest.raises(ValueError, match="apply a softmax to logits first"):
+        diagnostics.agreement(logits)
+    fs = diagnostics.function_space(logits, probabilities=False)  # R-hat of any output
+    assert np.isnan(fs.agreement) and fs.rhat.shape == (3, 4)
+    with pytest.raises(ValueError, match="two chains or more"):
+        diagnostics.total_variation(np.full((1, 10, 3, 2), 0.5))
+
+
+def test_network_outputs_needs_draws_grouped_by_chain():
+    from tests.sign_flip import MODE, sign_flip_model
+
+    model, x, _ = sign_flip_model()
+    ungrouped = {"0.weight": MODE["0.weight"].double()[None], "2.weight": torch.zeros(3, 2, 1)}
+    with pytest.raises(ValueError, match="grouped by chain"):
+        diagnostics.network_outputs(model, x, samples=ungrouped)
+
+
+def test_function_space_of_too_few_draws_is_nan_not_converged():
+    probs = np.full((1, 2, 3, 2), 0.5) + np.array([0.1, -0.1])  # 2 draws: R-hat undefined
+    probs[0, 1] = np.array([0.3, 0.7])
+    with pytest.warns(UserWarning, match="need at least 4 draws"):
+        fs = diagnostics.function_space(probs)
+    assert np.isnan(fs.max_rhat) and np.isnan(fs.min_ess) and not fs.converged()

@@ -15,16 +15,18 @@ import pickle
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer import MCMC
 from safetensors.torch import load_file
 
 import pyro_bdl as bdl
-from pyro_bdl.inference import BLoBGuide, BLoBSVI, LaplaceGuide
+from pyro_bdl.inference import SGHMC, BLoBGuide, BLoBSVI, LaplaceGuide
 from pyro_bdl.persistence import (
     FORMAT_VERSION,
     CorruptFileError,
@@ -458,3 +460,21 @@ def test_a_loaded_guide_exports_to_arviz(saved):
     assert tree["posterior"]["hidden.weight"].shape == (1, 3, 6, 5)
     assert tree.attrs["method"] == "LaplaceGuide" and tree.attrs["link"] == guide.link
     assert "hidden.weight.kron_input_eigenvectors" in tree["approximation"]
+
+
+def test_a_kernels_checkpoint_directory_loads_as_saved_draws(tmp_path):
+    """Draws have one layout on disk: bdl.load reads a checkpoint directory as it reads
+    what bdl.save wrote (warning that no manifest verifies it)."""
+    x, y = cases.data()
+    model = cases.mlp_model()
+    kernel = SGHMC(model, step_size=1e-3, checkpoint=tmp_path)
+    mcmc = MCMC(kernel, num_samples=5, warmup_steps=3, disable_progbar=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # five draws are far from converged, on purpose
+        mcmc.run((x, y), cases.NUM_DATA)
+    with pytest.warns(UserWarning, match="checkpoint directory.*not verified"):
+        run = bdl.load(tmp_path, cases.mlp_model())
+    assert isinstance(run, SavedChains) and run.warmup_steps == 3 and run.num_samples == 5
+    for name, value in mcmc.get_samples(group_by_chain=True).items():
+        torch.testing.assert_close(run.get_samples(group_by_chain=True)[name], value)
+    assert run.kernel.hyperparameters()["method"] == "SGHMC"

@@ -15,7 +15,9 @@ def test_quick_demo_writes_its_results(tmp_path, capsys, shared_data, report):
     printed = capsys.readouterr().err  # the report, through the pyro_bdl logger
     results = json.loads((tmp_path / "results.json").read_text())
     links = ("mc", "probit", "bridge")
-    assert set(results["methods"]) == {"MAP"}
+    sghmc = results["sghmc"]  # a row of the digits table when it beats the MAP
+    assert set(results["methods"]) - {"MAP"} <= {f"SGHMC (T={sghmc['temperature']:g}, 2 chains)"}
+    assert results["mcmc_choices"]["SGHMC temperature"]["chosen"] == sghmc["temperature"]
     lora = {"MAP", "MAP + temperature scaling", "SGHMC (2 chains from the MAP, T=1)"}
     assert set(results["lora_methods"]) - lora in [{f"Laplace-LoRA ({link})"} for link in links]
     choice = results["lora_choices"]["Laplace-LoRA link"]  # the best on validation data
@@ -35,10 +37,15 @@ def test_quick_demo_writes_its_results(tmp_path, capsys, shared_data, report):
     assert diagnostics["weights"] == 64 * 64 + 64 + 64 * 10 + 10
     assert diagnostics["r_hat_max"] >= 1 and diagnostics["ess_bulk_min"] > 0
     assert "r_hat" in printed and "ess_bulk" in printed and "2.bias[" in printed
+    function = diagnostics["function_space"]  # judged on the test images' predictions
+    assert function["chains"] == 2 and function["draws"] == 10 and function["r_hat_max"] >= 1
+    assert (
+        f"split R-hat max {function['r_hat_max']:.3f}" in printed and "trace.png: left" in printed
+    )
     for figure in ("trace.png", "reliability.png", "reliability_lora.png"):
         assert (tmp_path / figure).read_bytes()[:4] == b"\x89PNG"
     tree = xr.open_datatree(tmp_path / "posterior.nc", engine="h5netcdf")
-    assert {"posterior", "sample_stats", "log_likelihood"} <= set(tree.children)
+    assert {"posterior", "sample_stats", "log_likelihood", "function_space"} <= set(tree.children)
     assert tree["posterior"].sizes["chain"] == 2
     # every section ran, said in results.json and in the closing line
     assert list(results["sections"]) == list(SECTIONS)

@@ -1,6 +1,7 @@
 """
-Data for the papers' experiments: loaders for the standard dataset formats, prompt
-templates, and collators that make minibatches for Hugging Face models and the CNN-LSTM.
+Data for Bayesian fine-tuning: loaders for the standard formats of the benchmark datasets
+(the demo, the examples and the papers' experiments read them), prompt templates, and
+collators that make minibatches for Hugging Face models and the CNN-LSTM.
 
 :func:`load` reads one split of a dataset from any directory as a list-like
 :class:`RecordDataset` of plain records (dicts with text fields, ``choices`` for multiple

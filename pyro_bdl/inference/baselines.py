@@ -53,12 +53,14 @@ from pyro.infer import SVI, TraceMeanField_ELBO
 from tqdm.auto import trange
 
 from pyro_bdl import _checks, distributed
+from pyro_bdl._offload import kept_draws
 from pyro_bdl.inference.map import fit_map
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.vi import MeanFieldGuide
 from pyro_bdl.inference.vi.blob_svi import warmup_schedule
 from pyro_bdl.lift import LiftedModule
-from pyro_bdl.predict import predict_proba
+from pyro_bdl.posterior import STATE_KEY, PosteriorDraws, decode_json, encode_json
+from pyro_bdl.predict import guide_draw, predict_proba
 from pyro_bdl.priors import IIDNormal
 
 __all__ = [
@@ -75,6 +77,9 @@ __all__ = [
 
 # AdamW's epsilon of the reference implementation of the BLoB baselines.
 _ADAM_EPS = 1e-6
+# What a member holds, each a dict of tensors (Predictor.state_dict's parts).
+_MEMBER_PARTS = ("model_params", "samples", "guide_params", "median")
+_GUIDE_CLASSES = {"MeanFieldGuide": MeanFieldGuide}
 
 
 @dataclass
@@ -151,6 +156,143 @@ class Predictor:
         with _training_mode(self.dropout, self.mc_dropout):
             return torch.cat([self._member_probs(member, args, kwargs) for member in self.members])
 
+    # -- the Posterior interface (pyro_bdl.posterior) ------------------------------------
+
+    layout = "members"  # bdl.save writes the state dict (persistence.py)
+
+    def predict_proba(self, *args, num_samples: int | None = None, **kwargs) -> torch.Tensor:
+        """``predictor(*args)``; ``num_samples``: draws per guide member for this call."""
+        if num_samples is None:
+            return self(*args, **kwargs)
+        kept, self.num_samples = self.num_samples, num_samples
+        try:
+            return self(*args, **kwargs)
+        finally:
+            self.num_samples = kept
+
+    def draws(
+        self, num_samples: int | None = None, *args, seed: int | None = None, **kwargs
+    ) -> PosteriorDraws:
+        """The members' weights one after the other as chain 0: each point member's value
+        (an MC-dropout member's repeated per pass), ``num_samples`` (default
+        :attr:`num_samples`) draws of each guide member, its mean when that is 0. The point
+        weights (a LoRA B) are each member's own and not among the draws.
+
+        :param args: the model's arguments, for a guide member that draws.
+        :param int seed: seed of a guide member's draws (None: the process's state).
+        """
+        count = self.num_samples if num_samples is None else num_samples
+        per_member = []
+        with torch.random.fork_rng():
+            if seed is not None:
+                pyro.set_rng_seed(seed)
+            for member in self.members:
+                per_member.append(self._member_draws(member, count, args, kwargs))
+        samples = {
+            name: torch.cat([draws[name] for draws in per_member]).unsqueeze(0)
+            for name in per_member[0]
+        }
+        return PosteriorDraws(samples=samples, attrs=self.hyperparameters())
+
+    def sample(
+        self, num_samples: int | None = None, *args, seed: int | None = None, **kwargs
+    ) -> dict[str, torch.Tensor]:
+        """The draws of :meth:`draws`, flat: site -> ``(S, *shape)``."""
+        return self.draws(num_samples, *args, seed=seed, **kwargs).flat()
+
+    def hyperparameters(self) -> dict:
+        """``method``, the number of members, draws per guide member and MC dropout."""
+        return {
+            "method": type(self).__name__,
+            "num_members": len(self.members),
+            "num_samples": self.num_samples,
+            "mc_dropout": self.mc_dropout,
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every member's fitted values (``members.<k>.<part>/<name>``), and the structure
+        as JSON (a guide member's class and settings) under ``"_bdl_state"``."""
+        state, structure = {}, []
+        for k, member in enumerate(self.members):
+            for part in _MEMBER_PARTS:
+                for name, value in (getattr(member, part) or {}).items():
+                    state[f"members.{k}.{part}/{name}"] = value.detach()
+            guide = member.guide
+            structure.append(
+                None
+                if guide is None
+                else {
+                    "class": type(guide).__name__,
+                    "settings": guide._init_settings(),
+                    "observed": sorted(guide.observed_sites),
+                }
+            )
+        header = {"hyperparameters": self.hyperparameters(), "members": structure}
+        return {STATE_KEY: encode_json(header), **state}
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` returned (guide members are built afresh on the
+        model; their parameters are the saved values)."""
+        header = decode_json(state_dict[STATE_KEY])
+        members = []
+        for k, spec in enumerate(header["members"]):
+            parts = {part: {} for part in _MEMBER_PARTS}
+            for key, value in state_dict.items():
+                head, _, name = key.partition("/")
+                prefix, _, part = head.rpartition(".")
+                if prefix == f"members.{k}" and part in parts:
+                    parts[part][name] = value
+            guide = None
+            if spec is not None:
+                # The sites its fit observed stay hidden from it: built afresh, it must not
+                # take an unobserved label for a latent site when it first sees the model.
+                seen = poutine.block(self.model, hide=spec.get("observed", []))
+                guide = _GUIDE_CLASSES[spec["class"]]._from_settings(seen, spec["settings"])
+            members.append(
+                _Member(
+                    model_params=parts["model_params"],
+                    samples=parts["samples"] or None,
+                    guide=guide,
+                    guide_params=parts["guide_params"],
+                    median=parts["median"],
+                )
+            )
+        self.members = members
+        settings = header["hyperparameters"]
+        self.num_samples, self.mc_dropout = settings["num_samples"], settings["mc_dropout"]
+
+    @classmethod
+    def from_state_dict(cls, model: Callable, state_dict: Mapping[str, torch.Tensor]) -> Predictor:
+        """The predictor :meth:`state_dict` describes, on ``model`` (its LoRA dropout layers
+        found on ``model.net`` as the fits find them).
+
+        :param callable model: the Pyro model the predictor was fitted with.
+        """
+        net = getattr(model, "net", None)
+        dropout = _lora_dropout(net) if isinstance(net, LiftedModule) else []
+        predictor = cls(model, [], dropout=dropout)
+        predictor.load_state_dict(state_dict)
+        return predictor
+
+    def _member_draws(self, member: _Member, count: int, args: tuple, kwargs: dict) -> dict:
+        if member.guide is None:
+            return {name: value.detach().cpu() for name, value in member.samples.items()}
+        if count == 0:
+            return {
+                name: value.detach().cpu().unsqueeze(0) for name, value in member.median.items()
+            }
+        batch_args, batch_kwargs = Minibatches(tuple(args), dict(kwargs)).peek()
+        _set_up(member.guide, batch_args, batch_kwargs)
+        guide = poutine.substitute(member.guide, data=member.guide_params)
+        return kept_draws(
+            lambda: {
+                name: value
+                for name, value in guide_draw(guide, *batch_args, **batch_kwargs).items()
+                if name in member.median
+            },
+            count,
+        )
+
     def _member_probs(self, member: _Member, args: tuple, kwargs: dict) -> torch.Tensor:
         model = poutine.substitute(self.model, data=member.model_params)
         if member.guide is None:
@@ -158,6 +300,7 @@ class Predictor:
         if self.num_samples == 0:
             mean = {name: value.unsqueeze(0) for name, value in member.median.items()}
             return predict_proba(model, *args, samples=mean, **kwargs)
+        _set_up(member.guide, args, kwargs)
         guide = poutine.substitute(member.guide, data=member.guide_params)
         return predict_proba(model, *args, guide=guide, num_samples=self.num_samples, **kwargs)
 
@@ -587,6 +730,14 @@ class _ScheduledAdamW(torch.optim.AdamW):
         loss = super().step(closure)
         self.schedule.step()
         return loss
+
+
+def _set_up(guide: Callable, args: tuple, kwargs: dict) -> None:
+    """Set up a guide member that load_state_dict built afresh (its parameters must exist
+    before its saved values are substituted for them); a fitted one is left alone."""
+    if guide.prototype_trace is None:  # a draw that changes nothing, not even the seed
+        with torch.no_grad(), torch.random.fork_rng(), poutine.block():
+            guide(*args, **kwargs)
 
 
 def _lifted(model: Callable, net: LiftedModule | None) -> LiftedModule:

@@ -30,12 +30,13 @@ import torch
 from pyro.poutine.util import site_is_subsample
 
 from pyro_bdl.model_checks import CheckedPrototype
+from pyro_bdl.posterior import STATE_KEY, PosteriorDraws, decode_json, encode_json, guide_draws
+from pyro_bdl.predict import predict_proba
 
 __all__ = ["GuideState", "SiteMismatchError", "check_sites", "encode_json", "decode_json"]
 
 #: The version of the guide state; a newer one is refused with a named error.
 STATE_VERSION = 1
-STATE_KEY = "_bdl_state"
 TENSOR_PREFIX = "_bdl/"
 _POINT = "point/"
 
@@ -79,25 +80,6 @@ def check_sites(saved: Mapping[str, list], found: Mapping[str, list], what: str)
         )
 
 
-def encode_json(value) -> torch.Tensor:
-    """``value`` as JSON in a ``uint8`` tensor (a state dict of tensors only)."""
-    data = json.dumps(value, sort_keys=True).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def decode_json(tensor: torch.Tensor):
-    """The value :func:`encode_json` encoded."""
-    if not torch.is_tensor(tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
-        raise ValueError(
-            f"a guide's {STATE_KEY!r} entry must be a 1-d uint8 tensor (JSON), got "
-            f"{type(tensor).__name__}"
-        )
-    try:
-        return json.loads(bytes(tensor.cpu().tolist()).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"a guide's {STATE_KEY!r} entry is not valid JSON ({error})") from None
-
-
 def as_json(value):
     """``value`` as it reads back from JSON (tuples become lists), for comparisons."""
     return json.loads(json.dumps(value, sort_keys=True))
@@ -135,6 +117,42 @@ class GuideState(CheckedPrototype):
     def _from_settings(cls, model, settings: dict):
         """The guide on ``model`` built with the saved :meth:`_init_settings`."""
         return cls(model, **settings)
+
+    # -- the Posterior interface (pyro_bdl.posterior) ------------------------------------
+
+    layout = "guide"  # bdl.save writes the state dict (persistence.py)
+
+    def draws(
+        self, num_samples: int | None = None, *args, seed: int | None = None, **kwargs
+    ) -> PosteriorDraws:
+        """``num_samples`` draws of the latent sites as chain 0, each copied to the CPU as
+        it is drawn (the device holds one draw), with the guide's parameters.
+
+        :param int num_samples: how many draws.
+        :param args: the model's arguments (the first batch of DataLoaders), for a guide
+            that has not seen its model yet.
+        :param int seed: seed of the draws (the process's random state is left as it was);
+            None draws from it.
+        """
+        return guide_draws(self, num_samples, args, kwargs, seed)
+
+    def sample(
+        self, num_samples: int | None = None, *args, seed: int | None = None, **kwargs
+    ) -> dict[str, torch.Tensor]:
+        """``num_samples`` draws, site -> ``(num_samples, *shape)`` on the CPU (see
+        :meth:`draws`)."""
+        return {
+            k: v[0] for k, v in self.draws(num_samples, *args, seed=seed, **kwargs).samples.items()
+        }
+
+    def predict_proba(self, *args, num_samples: int | None = None, **kwargs) -> torch.Tensor:
+        """Class probabilities ``(num_samples, B, C)``: the model replayed on
+        ``num_samples`` draws of the guide (:func:`~pyro_bdl.predict.predict_proba`)."""
+        if num_samples is None:
+            raise ValueError(
+                f"{type(self).__name__}.predict_proba: pass num_samples=<draws of the weights>"
+            )
+        return predict_proba(self.model, *args, guide=self, num_samples=num_samples, **kwargs)
 
     # -- the model's point weights ------------------------------------------------------
 

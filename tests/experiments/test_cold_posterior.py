@@ -37,6 +37,8 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
         for metric in ("accuracy", "ece", "brier"):
             assert math.isfinite(row[metric]), row
         assert 0 <= row["accuracy"] <= 1 and 0 <= row["ece"] <= 1 and 0 <= row["brier"] <= 2
+    # the serial chain's function-space R-hat (4 draws in --quick: defined, at least 1)
+    assert all(r["function_rhat"] >= 1 for r in rows if r["method"] == "SGHMC (serial)")
     for row in rows:
         if row["method"] in ("MAP", "MLE"):
             assert 0 <= row["train_accuracy"] <= 1 and row["train_nll"] > 0

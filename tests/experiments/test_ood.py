@@ -33,6 +33,9 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
             assert 0 <= row["AUROC EU"]["mean"] <= 1
     # two classes: dividing the logits by T keeps the order of the entropies
     assert table["MAP+TS"]["AUROC TU"]["mean"] == pytest.approx(table["MAP"]["AUROC TU"]["mean"])
+    # the serial chain's function-space R-hat beside the table (4 draws in --quick: defined)
+    assert table["SGHMC-serial"]["function R-hat"]["mean"] >= 1
+    assert all(row["function R-hat"] == "-" for m, row in table.items() if m != "SGHMC-serial")
     for method, seeds in results["per_seed"].items():
         for means in seeds[0]["mean_uncertainty"].values():
             # entropies of two classes, in nats; EU <= TU

@@ -15,8 +15,8 @@ from pyro_bdl.inference.laplace.curvature import (
     KronLowRank,
 )
 from pyro_bdl.inference.laplace.guide import LaplaceGuide
-from pyro_bdl.inference.laplace.lora import fit_laplace_lora
-from pyro_bdl.inference.laplace.prior import BlockNormal, LaplacePrior
+from pyro_bdl.inference.laplace.laplace_lora import fit_laplace_lora
+from pyro_bdl.inference.laplace.laplace_prior import BlockNormal, LaplacePrior
 
 __all__ = [
     "LaplaceGuide",

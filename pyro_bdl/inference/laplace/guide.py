@@ -33,7 +33,7 @@ L-BFGS refinement, the mode check) and :mod:`~pyro_bdl.inference.laplace.curvatu
 (the pass over the data) make one, :mod:`~pyro_bdl.inference.laplace.predictive` (the GLM
 predictive and its links) reads one, :mod:`~pyro_bdl.inference.laplace.tuning` (prior
 precision and link selection) returns a new one, and
-:mod:`~pyro_bdl.inference.laplace.state` saves and restores one.
+:mod:`~pyro_bdl.inference.laplace.serialization` saves and restores one.
 """
 
 from __future__ import annotations
@@ -49,15 +49,15 @@ from pyro.infer.autoguide import AutoGuide
 from pyro.infer.autoguide.initialization import InitMessenger
 
 from pyro_bdl._checks import function, instance, integer, one_of, real
-from pyro_bdl._draws import kept_draws
+from pyro_bdl._offload import kept_draws
 from pyro_bdl.inference.guide_state import GuideState, dtype_name
 from pyro_bdl.inference.laplace import fitting, tuning
 from pyro_bdl.inference.laplace.approximation import LaplaceFit, LaplaceProblem
 from pyro_bdl.inference.laplace.curvature import Curvature, DiagonalBlock, Full, make_curvature
+from pyro_bdl.inference.laplace.laplace_prior import LaplacePrior
 from pyro_bdl.inference.laplace.model_prior import PriorPrecision, checked_precision, read_priors
 from pyro_bdl.inference.laplace.predictive import LINKS, glm_predictive, output_distribution
-from pyro_bdl.inference.laplace.prior import LaplacePrior
-from pyro_bdl.inference.laplace.state import (
+from pyro_bdl.inference.laplace.serialization import (
     curvature_from_settings,
     laplace_state,
     restore_laplace,
@@ -555,6 +555,34 @@ class LaplaceGuide(GuideState, AutoGuide):
             generator=generator,
             prior_precision=prior_precision,
             progress=progress,
+        )
+
+    def predict_proba(
+        self,
+        *args,
+        num_samples: int | None = None,
+        generator: torch.Generator | None = None,
+        link: str | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The :class:`~pyro_bdl.posterior.Posterior` interface's class probabilities
+        ``(S, B, C)``: the linearised predictive at the guide's :attr:`link`, its
+        ``num_samples`` (default 100) joint logit draws for ``"mc"``, one row of
+        closed-form probabilities (``S = 1``) for ``"probit"`` and ``"bridge"``.
+
+        :param int num_samples: logit draws for ``"mc"``.
+        :param generator: random generator for ``"mc"``.
+        :param str link: another link than :attr:`link` for this call.
+        """
+        if (link or self.link) != "mc":
+            return self.predictive(*args, link=link or self.link, **kwargs).unsqueeze(0)
+        return self.predictive(
+            *args,
+            link="mc",
+            num_samples=100 if num_samples is None else num_samples,
+            return_samples=True,
+            generator=generator,
+            **kwargs,
         )
 
     # -- evidence and prior precision ------------------------------------------------

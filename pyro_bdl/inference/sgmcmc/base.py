@@ -55,6 +55,7 @@ from pyro_bdl._draws import copied_to
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.adaptation import DEFAULT_TARGET_EXCESS, Adaptation
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
+from pyro_bdl.inference.sgmcmc.convergence import FunctionSpaceMonitor, convergence_warning
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise, norm
 from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start, diagnose
 from pyro_bdl.inference.sgmcmc.kept import KeptDraws
@@ -106,6 +107,11 @@ class SGMCMCKernel(MCMCKernel):
     :param bool keep_draws: keep the draws in the kernel too, on the CPU (they are what
         :class:`DivergenceError` returns; the default); with a checkpoint they are
         read back from disk instead and never held twice in memory.
+    :param tuple probe: the model's positional arguments on a fixed batch of inputs
+        (e.g. ``((x_probe, y_probe), num_data)``) whose outputs the end-of-run check of a
+        lifted network follows in function space (see
+        :mod:`~pyro_bdl.inference.sgmcmc.convergence`); by default the first minibatch of
+        the run's first chain, kept for its later chains.
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class SGMCMCKernel(MCMCKernel):
         checkpoint: str | Path | None = None,
         checkpoint_every: int = 100,
         keep_draws: bool = True,
+        probe: tuple | None = None,
     ):
         self.model = function("model", model, "a callable Pyro model")
         self.temperature = real("temperature", temperature, non_negative=True)
@@ -156,6 +163,10 @@ class SGMCMCKernel(MCMCKernel):
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.checkpoint_every = integer("checkpoint_every", checkpoint_every, low=1)
         self.keep_draws = instance("keep_draws", keep_draws, bool, "True or False")
+        if probe is not None:
+            instance("probe", probe, tuple, "a tuple of the model's arguments on a batch")
+        self.probe = probe
+        self.function_monitor: FunctionSpaceMonitor | None = None  # across a run's chains
         self.transforms = None
         self._initial_params = None
         self._initial_params_given = False
@@ -236,6 +247,11 @@ class SGMCMCKernel(MCMCKernel):
         chain = chain_number(self._chain_id)
         store = None if self.checkpoint is None else Checkpoint(self.checkpoint, self, chain)
         self.kept = KeptDraws(self._stat_names(), state.params, store, self.keep_draws)
+        if self.temperature > 0:  # at T = 0 the draws are an optimiser's, not to be judged
+            probe = self._batches.peek() if self.probe is None else (self.probe, {})
+            self.function_monitor = FunctionSpaceMonitor.for_chain(
+                self.function_monitor, self._chain_id, target, probe
+            )
         self._chain_checked = False
 
     def sample(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -245,6 +261,8 @@ class SGMCMCKernel(MCMCKernel):
             if state.iteration >= self._warmup_steps:
                 monitor = self.kept.monitor
                 monitor.add(monitor.coordinates(self._returned).tolist())
+                if self.function_monitor is not None:
+                    self.function_monitor.add(self._returned)
         else:
             self._adopt(params)
             if state.iteration == self._warmup_steps:
@@ -505,6 +523,8 @@ class SGMCMCKernel(MCMCKernel):
         if not math.isfinite(stats["potential_energy"]):
             self._diverged(info, f"the potential energy is {stats['potential_energy']}")
         stats.update(step_size=info.step_size, temperature=self.temperature)
+        if self.function_monitor is not None:  # one forward pass on the probe batch
+            self.function_monitor.add(state.params)
         draw = functools.partial(self.constrained_values, device="cpu")
         self.kept.add(stats, draw, state.iteration - self._warmup_steps, state.iteration + 1)
 
@@ -567,13 +587,14 @@ class SGMCMCKernel(MCMCKernel):
         if message:
             warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
         # At T = 0 the chain is an optimiser: its draws are not meant to mix.
-        message = self.kept.monitor.warning() if self.temperature > 0 else None
-        if message:
-            warnings.warn(
-                f"{type(self).__name__}: {message}; {self._convergence_advice()}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        if self.temperature == 0:
+            return
+        found = convergence_warning(self.kept.monitor, self.function_monitor)
+        if found is not None:
+            message, category = found
+            if category is RuntimeWarning:
+                message += f"; {self._convergence_advice()}"
+            warnings.warn(f"{type(self).__name__}: {message}", category, stacklevel=3)
 
     def _convergence_advice(self) -> str:
         """What to do about draws that have not converged."""

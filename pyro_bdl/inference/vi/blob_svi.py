@@ -147,6 +147,8 @@ class BLoBSVI:
         fp16 losses).
     """
 
+    layout = "training"  # bdl.save keeps the guide and the optimiser (persistence.py)
+
     def __init__(
         self,
         model: Callable,

@@ -105,6 +105,8 @@ class IVONSVI:
         the Trainer passes its ``accelerator.backward``, which scales fp16 losses).
     """
 
+    layout = "training"  # bdl.save keeps the guide and the optimiser (persistence.py)
+
     def __init__(
         self,
         model: Callable,

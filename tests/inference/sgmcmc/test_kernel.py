@@ -52,10 +52,14 @@ def test_each_step_takes_the_next_minibatch_cycling_through_epochs(kernel_class)
     MCMC(kernel, num_samples=3, warmup_steps=4, disable_progbar=True).run(_loader(), NUM_DATA)
     x, _ = _data()
     batches = list(x[:, 0].split(6))
-    # setup traces the first batch once, then 7 steps take batches 0,1,2,3,0,1,2.
-    assert len(seen) == 8
-    for got, expected in zip(seen[1:], batches + batches[:3]):
-        assert torch.equal(got, expected)
+    # setup traces the first batch twice (the model's check, and the network's outputs on
+    # it, the probe batch the convergence check follows), then 7 steps take batches
+    # 0,1,2,3,0,1,2, each of the last 3 followed by its kept draw's outputs on the probe.
+    probe = batches[0]
+    expected = [probe, probe, *batches, batches[0], probe, batches[1], probe, batches[2], probe]
+    assert len(seen) == len(expected) == 12
+    for got, want in zip(seen, expected):
+        assert torch.equal(got, want)
     assert kernel.num_data == NUM_DATA
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pyro_bdl as bdl
-from pyro_bdl._draws import copied_to, kept_draws
+from pyro_bdl._offload import copied_to, kept_draws
 
 
 def test_copied_to_copies_every_site_grouped_by_dtype():
