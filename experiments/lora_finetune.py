@@ -80,6 +80,7 @@ __all__ = [
     "point_draws",
     "guide_draws",
     "laplace_draws",
+    "temperature_scaled",
     "lora_dropout",
     "sghmc_chains",
     "laplace",
@@ -615,6 +616,13 @@ def laplace_draws(guide: LaplaceGuide, num_samples: int, seed: int, link: str = 
     like = next(iter(guide.median().values()))
     generator = torch.Generator(device=like.device).manual_seed(seed)
     return posterior_draws(guide, None, link=link, num_samples=num_samples, generator=generator)
+
+
+def temperature_scaled(draws: Draws, task: Task) -> baselines.TemperatureScaled:
+    """The "MAP+TS" row's predictor: ``draws`` tempered by the one scalar with the lowest
+    NLL on the task's validation subset (:func:`~pyro_bdl.inference.baselines.temperature_scaling`,
+    the baseline the Bayesian rows must beat); ``.temperature`` is the scalar."""
+    return baselines.temperature_scaling(draws, task.validation_loader())
 
 
 def predict(draws: Draws, loader: DataLoader) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,10 @@ Samoan from English measures how well it flags the unknown language. The methods
 - **MAP**: the training recipe of the calibration experiment (AdamW, linear warm-up then
   decay, :func:`~experiments.lora_finetune.training_recipe`) with weight decay
   1e-5 (the paper's SGD baseline; one draw, so TU only).
+- **MAP+TS**: the MAP with temperature scaling fitted on the SST-2 validation subset
+  (:func:`~pyro_bdl.inference.baselines.temperature_scaling`): one draw, so TU only; a
+  temperature reorders no sentence's confidence in a two-class problem, so its TU AUROC is
+  MAP's, and any Bayesian row's EU above it is more than a rescaling.
 - **SGHMC (parallel)**: 4 chains at temperature 1 started at the MAP, one epoch each,
   the last draw of each (a Bayesian deep ensemble, the paper's parallel SGHMC).
 - **SGHMC (serial)**: one chain from the MAP as long as the four together, 8 draws
@@ -66,6 +70,7 @@ from experiments.lora_finetune import (
     predict,
     sghmc_chains,
     single_thread,
+    temperature_scaled,
     training_recipe,
 )
 from experiments.runner import Experiment, markdown_table, mean_sd
@@ -77,7 +82,10 @@ from pyro_bdl.plots import plot_uncertainty_histograms
 
 __all__ = ["run", "FULL", "QUICK", "METHODS"]
 
-METHODS = ("MAP", "SGHMC-serial", "SGHMC-parallel", "ENS", "SGHMC-ensemble", "BLoB", "LA")
+METHODS = ("MAP", "MAP+TS", "SGHMC-serial", "SGHMC-parallel", "ENS", "SGHMC-ensemble", "BLoB", "LA")
+
+#: The one-draw rows: total uncertainty only (no epistemic part).
+POINT_METHODS = ("MAP", "MAP+TS")
 
 #: The full run: about 85 minutes of one CPU core for 3 seeds.
 FULL = {
@@ -219,6 +227,10 @@ def _map(network, task, fits, seed, settings):
     return point_draws(network.model, [fits.map])
 
 
+def _map_ts(network, task, fits, seed, settings):
+    return temperature_scaled(_map(network, task, fits, seed, settings), task)
+
+
 def _serial(network, task, fits, seed, settings):
     """One chain from the MAP, draws evenly spaced along it."""
     steps = settings["chains"] * task.steps_per_epoch
@@ -287,6 +299,7 @@ def _la(network, task, fits, seed, settings):
 
 _DRAWS = {
     "MAP": _map,
+    "MAP+TS": _map_ts,
     "SGHMC-serial": _serial,
     "SGHMC-parallel": _parallel,
     "ENS": _ensemble,
@@ -311,7 +324,9 @@ def _summaries(cells: dict) -> dict:
         for seed, cell in seeds.items():
             rows[seed] = {
                 "auroc_total": _auroc(cell, "total"),
-                "auroc_epistemic": _auroc(cell, "epistemic") if method != "MAP" else None,
+                "auroc_epistemic": (
+                    _auroc(cell, "epistemic") if method not in POINT_METHODS else None
+                ),
                 "sst2": cell["sst2"],
                 "mean_uncertainty": {
                     language: {
@@ -325,7 +340,11 @@ def _summaries(cells: dict) -> dict:
         values = list(rows.values())
         table[method] = {
             "AUROC TU": mean_sd([r["auroc_total"] for r in values]),
-            "AUROC EU": mean_sd([r["auroc_epistemic"] for r in values]) if method != "MAP" else "-",
+            "AUROC EU": (
+                mean_sd([r["auroc_epistemic"] for r in values])
+                if method not in POINT_METHODS
+                else "-"
+            ),
             "SST-2 accuracy": mean_sd([r["sst2"]["accuracy"] for r in values]),
             "SST-2 NLL": mean_sd([r["sst2"]["nll"] for r in values]),
             "function R-hat": (
@@ -358,7 +377,7 @@ def _histograms(cells: dict, experiment: Experiment) -> None:
             if method not in cells:
                 continue
             panels[f"{method} TU"] = pooled(method, "total")
-            if method != "MAP":
+            if method not in POINT_METHODS:
                 panels[f"{method} EU"] = pooled(method, "epistemic")
         if panels:
             plot_uncertainty_histograms(panels, experiment.out / name, labels=("English", "Samoan"))

@@ -99,6 +99,10 @@ def _rst(document: str, lines: list[str]) -> list[Block]:
 
 #: Blocks that cannot run here, by :attr:`Block.key`, with the reason.
 NOT_RUN = {
+    "README.md: from pyro_bdl.inference import fit_laplace_lora": "fine-tunes MiniLM for 500 "
+    "steps (minutes); tests/inference/laplace/test_lora.py runs the same calls "
+    "(map_estimate -> fit_laplace_lora(map=predictor.point()) -> temperature_scaling) on a "
+    "tiny Llama",
     "README.md: make demo    # creates .venv if missing, then runs the demo (about 2.5 min on 2 "
     "CPU cores once .venv exists)": "make builds .venv as an editable install of the checkout; "
     "its two commands are `pyro-bdl demo` (validation/test_demo.py runs it) and the test suite",

@@ -18,12 +18,15 @@ def test_quick_demo_writes_its_results(tmp_path, capsys, shared_data, report):
     sghmc = results["sghmc"]  # a row of the digits table when it beats the MAP
     assert set(results["methods"]) - {"MAP"} <= {f"SGHMC (T={sghmc['temperature']:g}, 2 chains)"}
     assert results["mcmc_choices"]["SGHMC temperature"]["chosen"] == sghmc["temperature"]
-    lora = {"MAP", "SGHMC (2 chains from the MAP, T=1)"}
+    lora = {"MAP", "MAP + temperature scaling", "SGHMC (2 chains from the MAP, T=1)"}
     assert set(results["lora_methods"]) - lora in [{f"Laplace-LoRA ({link})"} for link in links]
     choice = results["lora_choices"]["Laplace-LoRA link"]  # the best on validation data
     assert choice["chosen"] == min(choice["validation NLL"], key=choice["validation NLL"].get)
     assert f"Laplace-LoRA link = {choice['chosen']}" in printed
     assert 0 <= results["lora_methods"]["MAP"]["train_accuracy"] <= 1
+    scaled = results["lora_methods"]["MAP + temperature scaling"]  # the same argmax as MAP
+    assert scaled["accuracy"] == results["lora_methods"]["MAP"]["accuracy"]
+    assert "temperature T = " in printed
     for name, values in {**results["methods"], **results["lora_methods"]}.items():
         assert f"| {name} |" in printed
         assert 0.0 <= values["accuracy"] <= 1.0 and 0.0 <= values["ece"] <= 1.0, name

@@ -68,11 +68,38 @@ def format_prompt(record: Record, dataset_name: str) -> str:
     _check_prompted(dataset_name)
     if dataset_name == "boolq":
         return f"{_TRUE_FALSE}{record['question']} Context: {_sentence(record['passage'])}"
-    choices = " ".join(
-        f"{letter}. {_sentence(choice)}"
-        for letter, choice in zip(_letters(record), record["choices"], strict=True)
-    )
-    return f"{_SELECT}{record[_QUESTION_FIELD[dataset_name]]} Choices: {choices} Answer:"
+    question = "{" + _QUESTION_FIELD[dataset_name] + "}"
+    return fill_template(f"{_SELECT}{question} Choices: {{choices}} Answer:", record)
+
+
+def fill_template(template: str, record: Record) -> str:
+    """
+    A prompt of one's own: ``template`` formatted with the record's fields, ``{choices}``
+    being the lettered choices as the papers' templates write them.
+
+    Example::
+
+        >>> record = {"sentence": "Sarah beat Maria so _ won.", "choices": ["Sarah", "Maria"]}
+        >>> fill_template("{sentence}\\n{choices}\\nAnswer:", record)
+        'Sarah beat Maria so _ won.\\nA. Sarah. B. Maria.\\nAnswer:'
+
+    :param str template: a ``str.format`` template over the record's fields.
+    :param dict record: a record of :func:`pyro_bdl.data.load`.
+    :raises ValueError: when the template names a field the record lacks.
+    """
+    fields = dict(record)
+    if "choices" in record:
+        fields["choices"] = " ".join(
+            f"{letter}. {_sentence(choice)}"
+            for letter, choice in zip(_letters(record), record["choices"], strict=True)
+        )
+    try:
+        return template.format(**fields)
+    except KeyError as error:
+        raise ValueError(
+            f"template names the field {error.args[0]!r}, which the record lacks (fields: "
+            f"{', '.join(fields)}); name one of those, or {{choices}} for the lettered choices"
+        ) from None
 
 
 def answer_labels(record: Record, dataset_name: str) -> list[str]:

@@ -7,14 +7,21 @@ padded dynamically to the longest sequence of the batch (see :mod:`pyro_bdl.data
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from pyro_bdl._checks import function, instance, integer, one_of
-from pyro_bdl.data.prompts import MULTIPLE_CHOICE, PROMPTED, choice_pairs, format_prompt
+from pyro_bdl.data.prompts import (
+    MULTIPLE_CHOICE,
+    PROMPTED,
+    choice_pairs,
+    fill_template,
+    format_prompt,
+)
 from pyro_bdl.data.records import Record, labels_tensor
 
 Batch = dict[str, torch.Tensor]
@@ -212,18 +219,39 @@ class CausalMultipleChoiceCollator:
     :param str dataset_name: ``winogrande_*``, ``arc_easy``, ``arc_challenge``, ``obqa`` or
         ``boolq``.
     :param int max_length: prompts keep their last ``max_length`` tokens.
+    :param template: a prompt of one's own instead of the papers': a format string over
+        the record's fields, in which ``{choices}`` is the lettered list ``"A. x. B. y."``
+        (e.g. ``"{passage}\\nQuestion: {question}?\\nAnswer:"`` for BoolQ, which keeps the
+        question when a long passage is cut, or ``"Review: {text}\\nSentiment:"`` for
+        SST-2, a dataset without a template of its own), or a function record -> prompt.
+        With a template, ``dataset_name`` may be any dataset.
     """
 
-    def __init__(self, tokenizer: Any, dataset_name: str, max_length: int = 512):
+    def __init__(
+        self,
+        tokenizer: Any,
+        dataset_name: str,
+        max_length: int = 512,
+        template: str | Callable[[Record], str] | None = None,
+    ):
         function("tokenizer", tokenizer, "a Hugging Face tokenizer")
         self.tokenizer = tokenizer
-        self.dataset_name = one_of("dataset_name", dataset_name, PROMPTED)
+        if template is None:
+            self.dataset_name = one_of("dataset_name", dataset_name, PROMPTED)
+            self.prompt = partial(format_prompt, dataset_name=dataset_name)
+        elif isinstance(template, str):
+            self.dataset_name = dataset_name
+            self.prompt = partial(fill_template, template)
+        else:
+            function("template", template, "a format string or a function record -> prompt")
+            self.dataset_name = dataset_name
+            self.prompt = template
         self.max_length = integer("max_length", max_length, low=1)
         self.pad_id = _pad_id(tokenizer)
 
     def __call__(self, records: Sequence[Record]) -> Batch:
         _check_records(records)
-        prompts = [format_prompt(record, self.dataset_name) for record in records]
+        prompts = [self.prompt(record) for record in records]
         # verbose=False: the full prompt may exceed model_max_length before it is cut here.
         encoding = self.tokenizer(prompts, return_special_tokens_mask=True, verbose=False)
         sequences = [

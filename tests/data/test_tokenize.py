@@ -122,6 +122,29 @@ def test_causal_batch_keeps_the_end_of_long_prompts(data_root, word_tokenizer, m
     assert torch.all(bert["input_ids"][:, -1] == minilm_tokenizer.convert_tokens_to_ids(":"))
 
 
+def test_causal_batch_takes_a_template_of_ones_own(data_root, minilm_tokenizer):
+    # A format string (with {choices}, the lettered list), a function, and a dataset without
+    # a template of the papers' (SST-2) all give the prompt a reader would write by hand.
+    obqa = _records(data_root, "obqa", "test", 2)
+    template = "Q: {question}\n{choices}\nAnswer:"
+    batch = CausalMultipleChoiceCollator(minilm_tokenizer, "obqa", template=template)(obqa)
+    letters = " ".join(f"{'ABCD'[i]}. {c.rstrip('.')}." for i, c in enumerate(obqa[0]["choices"]))
+    by_hand = minilm_tokenizer(f"Q: {obqa[0]['question']}\n{letters}\nAnswer:")["input_ids"][:-1]
+    assert batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist() == by_hand
+    sst2 = _records(data_root, "sst2", "test", 3)
+    for prompt in ("Review: {text} Sentiment:", lambda r: f"Review: {r['text']} Sentiment:"):
+        batch = CausalMultipleChoiceCollator(minilm_tokenizer, "sst2", template=prompt)(sst2)
+        expected = minilm_tokenizer(f"Review: {sst2[2]['text']} Sentiment:")["input_ids"][:-1]
+        assert batch["input_ids"][2][batch["attention_mask"][2].bool()].tolist() == expected
+        assert batch["labels"].tolist() == [r["label"] for r in sst2]
+
+
+def test_a_template_naming_a_missing_field_says_which(data_root, minilm_tokenizer):
+    collate = CausalMultipleChoiceCollator(minilm_tokenizer, "sst2", template="{sentence}:")
+    with pytest.raises(ValueError, match="'sentence'.*fields: text, label"):
+        collate(_records(data_root, "sst2", "test", 1))
+
+
 def test_answer_token_ids(word_tokenizer, minilm_tokenizer):
     ids = answer_token_ids(word_tokenizer, [" A", " B", " C", " D"])
     assert word_tokenizer.convert_ids_to_tokens(ids) == ["A", "B", "C", "D"]

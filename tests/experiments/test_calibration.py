@@ -15,7 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _expected_rows(dataset: str) -> set[str]:
     few, many = QUICK_METHOD["blob_samples"]
-    rows = {"MLE", "MAP", "MCD", "ENS", "BBB", "IVON", "LA", "LLLA", "SGHMC"}
+    rows = {"MLE", "MAP", "MAP+TS", "MCD", "ENS", "BBB", "IVON", "LA", "LLLA", "SGHMC"}
     rows |= {"BLoB (N=0)", f"BLoB (N={few})", f"BLoB (N={many})"}
     return rows | ({"LA-torch"} if dataset == "sst2" else set())
 
@@ -52,6 +52,9 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data):
         gap = results["map_train_test"][dataset]
         assert 0 <= gap["train"]["accuracy"]["mean"] <= 1 and gap["train"]["nll"]["mean"] > 0
         assert gap["test"]["nll"] == rows["MAP"]["nll"]
+        assert rows["MAP+TS"]["accuracy"] == rows["MAP"]["accuracy"]  # T keeps every argmax
+        (temperature,) = results["temperature"][dataset]["MAP+TS"].values()
+        assert 0.05 <= temperature <= 20.0
         for method in ("LA", "LLLA"):
             (info,) = results["laplace"][dataset][method].values()
             assert math.isfinite(info["log_marginal_likelihood"])

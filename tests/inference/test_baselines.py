@@ -258,3 +258,52 @@ def test_point_is_the_weights_the_predictor_predicts_with(task):
     )
     with pytest.raises(ValueError, match="no single point estimate"):
         ensemble.point()
+
+
+def _over_confident(seed: int, informative: bool = True, num_data: int = 4000):
+    """Validation batches of 4-way logits z with labels drawn from softmax(z) (or, not
+    informative, uniformly), and a predictor three times too confident: softmax(3 z)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = 1.5 * torch.randn(num_data, 4, generator=generator, dtype=torch.float64)
+    if informative:
+        labels = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+    else:
+        labels = torch.randint(0, 4, (num_data,), generator=generator)
+    batches = [
+        {"logits": logits[i : i + 500], "labels": labels[i : i + 500]}
+        for i in range(0, num_data, 500)
+    ]
+    return batches, lambda batch: torch.softmax(3.0 * batch["logits"], -1)[None]
+
+
+def test_temperature_scaling_recovers_a_known_temperature():
+    # The predictor's log probabilities are 3 z + const: T = 3 gives back the labels' own
+    # distribution. Over 20 seeds of 4,000 labels the fitted T had mean 3.016, sd 0.055:
+    # 0.2 is 3.6 sd.
+    batches, predictor = _over_confident(seed=0)
+    scaled = baselines.temperature_scaling(predictor, batches)
+    assert abs(scaled.temperature - 3.0) < 0.2
+    assert scaled.validation_nll["fitted"] < scaled.validation_nll["T=1"]
+    probs = scaled(batches[0])
+    assert probs.shape == (1, 500, 4)
+    assert torch.equal(probs.argmax(-1), predictor(batches[0]).argmax(-1))  # accuracy kept
+
+
+def test_temperature_scaling_warns_when_every_answer_would_be_uniform():
+    # Labels independent of the logits: the NLL falls all the way to T = infinity.
+    batches, predictor = _over_confident(seed=0, informative=False)
+    with pytest.warns(UserWarning, match="max_temperature=20.*near-uniform"):
+        scaled = baselines.temperature_scaling(predictor, batches)
+    assert scaled.temperature == pytest.approx(20.0, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "bounds, match",
+    [((0.0, 10.0), "min_temperature"), ((5.0, 2.0), "must be below max_temperature")],
+)
+def test_temperature_scaling_refuses_bad_bounds(bounds, match):
+    batches, predictor = _over_confident(seed=0, num_data=500)
+    with pytest.raises(ValueError, match=match):
+        baselines.temperature_scaling(
+            predictor, batches, min_temperature=bounds[0], max_temperature=bounds[1]
+        )

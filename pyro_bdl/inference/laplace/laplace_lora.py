@@ -25,7 +25,7 @@ def fit_laplace_lora(
     num_steps: int = 1000,
     links: Sequence[str] = LINKS,
     num_samples: int = 100,
-    progress: bool = False,
+    progress: bool = True,
 ) -> tuple[LaplaceGuide, str, dict[str, float] | None]:
     r"""The Laplace approximation of a fine-tuned network, as Laplace-LoRA makes it.
 
@@ -49,7 +49,12 @@ def fit_laplace_lora(
        :meth:`~pyro_bdl.inference.LaplaceGuide.predictive`.
 
     The evidence tunes the prior from where the model's prior starts it: a fan-in-scaled
-    prior (:meth:`pyro_bdl.priors.LayerwiseNormal.fan_in`) is Laplace-LoRA's. This is the
+    prior (:meth:`pyro_bdl.priors.LayerwiseNormal.fan_in`) is Laplace-LoRA's, the one to
+    build the model with (``lora_model(..., prior=LayerwiseNormal.fan_in())``);
+    :func:`~pyro_bdl.models.lora_model`'s default, ``IIDNormal(0.2)`` (BLoB's), only starts
+    the tuning elsewhere. A fine-tune from
+    :func:`~pyro_bdl.inference.baselines.map_estimate` goes in as
+    ``map=predictor.point()``. This is the
     one Laplace-LoRA recipe of the library: :class:`~pyro_bdl.hf.LaplaceCallback` calls it
     too. The prior precision is always the evidence's, as in the paper, which needs no
     validation data for it (section 3.2); validation data choose only among the links,
@@ -85,7 +90,8 @@ def fit_laplace_lora(
     :param int num_steps: Adam steps on the evidence (Laplace-LoRA: 1000).
     :param links: the candidate links; one link is used without a validation pass.
     :param int num_samples: logit draws of the ``"mc"`` link on the validation data.
-    :param bool progress: progress bars over the passes.
+    :param bool progress: progress bars over the passes (on by default, as in Pyro's
+        ``MCMC``: a fit on a real model takes minutes).
     :return: the fitted guide, the link chosen, and the validation NLL of each candidate
         (None when one link was given).
     """

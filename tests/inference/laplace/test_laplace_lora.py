@@ -99,3 +99,30 @@ def test_several_links_need_validation_data():
         fit_laplace_lora(lora.model, _batches(8, 1), 8, links=("softmax",))
     guide, link, scores = fit_laplace_lora(lora.model, _batches(8, 1), 8, links=("mc",))
     assert link == guide.link == "mc" and scores is None
+
+
+# the evidence's convergence is not what is tested here (300 steps keep the test short)
+@pytest.mark.filterwarnings("ignore:optimize_prior_precision:RuntimeWarning")
+def test_a_map_estimate_fine_tune_goes_in_by_its_point_with_progress_bars(capsys):
+    # The README's recipe: map_estimate -> fit_laplace_lora(map=predictor.point()) ->
+    # temperature_scaling, on a fresh adapter (B = 0) with LoRA dropout on while fitting.
+    from pyro_bdl.inference.baselines import map_estimate, temperature_scaling
+
+    base = tiny_llama(0, torch.float64, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+    lora = lora_model(base, "multiple_choice", label_token_ids=ANSWERS, rank=2)
+    train, validation = _batches(32, seed=1), _batches(16, seed=2)
+    before = lora.net.init_values()
+    lora.train()
+    predictor = map_estimate(lora.model, train, 32, num_steps=80, lr=3e-2)
+    lora.eval()
+    point = predictor.point()
+    assert any(not torch.equal(point[s], before[s]) for s in before)  # it fine-tuned
+    assert all(torch.equal(v, before[s]) for s, v in lora.net.init_values().items())  # module kept
+    guide, link, _ = fit_laplace_lora(lora.model, train, 32, validation, map=point, num_steps=300)
+    for site, value in guide.median().items():
+        torch.testing.assert_close(value, point[site])  # the posterior is centred on the fine-tune
+    bars = capsys.readouterr().err
+    assert "MLE" in bars and "it/s" in bars  # map_estimate's and the Laplace passes' bars
+    scaled = temperature_scaling(predictor, validation, 32)
+    assert 0.05 <= scaled.temperature <= 20.0
+    assert scaled.validation_nll["fitted"] <= scaled.validation_nll["T=1"] + 1e-12

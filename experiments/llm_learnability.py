@@ -1,0 +1,355 @@
+"""Which tasks does a short LoRA fine-tune of SmolLM2-135M learn on a CPU? Learning curves.
+
+Before a calibration comparison means anything, the fine-tune must learn: a table of
+Bayesian methods around a model at chance compares ways of being uniform (issue 37: on
+OpenBookQA, 40 steps left SmolLM2 at 0.26 accuracy, and temperature scaling won by making
+every answer uniform). This experiment measures, for each task, the accuracy and NLL of
+``lora_model("smollm2", "multiple_choice", label_token_ids=...)`` on held-out questions
+before fine-tuning (zero shot) and every ``eval_every`` steps of AdamW
+(:func:`~pyro_bdl.inference.baselines.map_estimate`) against the majority class: the
+learning curve (``learning_curves.png``).
+
+The tasks (prompts end in the answer's position; the label tokens score the choices):
+
+- ``sst2``: ``Review: {text}\\nSentiment:`` -> `` negative`` / `` positive`` (a template
+  of this experiment: SST-2 has none in the papers);
+- ``boolq``: the passage first, ``{passage}\\nQuestion: {question}? Answer True or
+  False.\\nAnswer:`` -> `` False`` / `` True``, so that a long passage cut to the
+  prompt length loses its beginning, not the question;
+- ``winogrande_s``, ``obqa``, ``arc_easy``: the papers' templates
+  (:mod:`pyro_bdl.data.prompts`) -> `` A``, `` B``, ...
+
+**What is scaled down, and why.** On the shared 2-core machine a forward pass of
+SmolLM2 over one batch of 8 prompts takes 5 - 35 s depending on the load, which rules out
+the papers' recipe (LoRA on every layer's queries and values, thousands of steps). LoRA
+(rank 8, alpha 16, dropout 0.1) goes on the queries and values of the **last**
+``top_layers`` decoder layers only, so that the frozen layers below them compute the
+same hidden states at every step: they are computed once per prompt
+(:class:`FrozenPrefix`, checked against the whole model at the start) and the fine-tune
+runs the top layers alone. Each chunk of ``eval_every`` steps is one ``map_estimate``
+call with a constant learning rate (AdamW's moments restart at each chunk); the
+adapters carry over.
+
+Run::
+
+    python -m experiments llm-learnability --data-dir ../shared/data --out results/llm-learnability
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch.utils.data import DataLoader
+
+from experiments.runner import Experiment, markdown_table
+from pyro_bdl import metrics
+from pyro_bdl.data import load
+from pyro_bdl.data.prompts import answer_labels
+from pyro_bdl.data.tokenize import CausalMultipleChoiceCollator, answer_token_ids
+from pyro_bdl.inference.baselines import map_estimate
+
+_logger = logging.getLogger(__name__)
+
+__all__ = ["TASKS", "METHODS", "FrozenPrefix", "run"]
+
+METHODS = ("MAP",)
+
+#: dataset -> (prompt template or None for the papers', load() options)
+TASKS = {
+    "sst2": ("Review: {text}\nSentiment:", {}),
+    "winogrande_s": (None, {}),
+    "obqa": (None, {}),
+    "arc_easy": (None, {"num_choices": 4}),
+    "boolq": ("{passage}\nQuestion: {question}? Answer True or False.\nAnswer:", {}),
+}
+_LABELS = {"sst2": [" negative", " positive"]}
+
+#: The CPU run. (SST-2's cell in docs/experiments.md was made with 192 / 96 questions,
+#: 96 steps at lr 1e-3; the machine's load left time for the smaller set below only.)
+FULL = {
+    "num_train": 96,
+    "num_test": 64,
+    "top_layers": 2,
+    "batch_size": 8,
+    "num_steps": 48,
+    "eval_every": 16,
+    "lr": 3e-3,
+    "max_length": 160,
+}
+QUICK = {
+    "num_train": 16,
+    "num_test": 16,
+    "top_layers": 1,
+    "batch_size": 4,
+    "num_steps": 4,
+    "eval_every": 2,
+    "lr": 1e-3,
+    "max_length": 48,
+}
+
+
+class FrozenPrefix:
+    """The decoder layers below the LoRA layers of a Llama-like causal LM, run once.
+
+    ``FrozenPrefix(model, top_layers)`` cuts ``model`` (in place) to its last
+    ``top_layers`` decoder layers, its final norm and head; :meth:`hidden` gives, for
+    a batch of token ids, the hidden states that the removed layers would hand to the
+    kept ones. The cut model fed with them (``inputs_embeds=``) computes what the whole
+    model computes from the tokens: positions come from the attention mask, and the
+    removed layers have no weights that LoRA on the kept layers changes.
+
+    :param model: a ``transformers`` Llama-architecture causal LM (``model.model.layers``).
+    :param int top_layers: decoder layers kept (the ones LoRA adapts).
+    """
+
+    def __init__(self, model, top_layers: int):
+        inner = model.model
+        layers = inner.layers
+        if not 1 <= top_layers < len(layers):
+            raise ValueError(f"top_layers must be in [1, {len(layers) - 1}], got {top_layers}")
+        self.inner, self.config = inner, model.config
+        self.bottom = layers[: len(layers) - top_layers]
+        self.top = layers[len(layers) - top_layers :]
+        self.norm = inner.norm
+        inner.layers = self.top
+        model.config.num_hidden_layers = top_layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[-top_layers:]
+
+    @torch.no_grad()
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``(B, L, hidden)`` states entering the kept layers (left-padded prompts)."""
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        # transformers runs layers[: config.num_hidden_layers]: the count follows the cut.
+        self.inner.layers, self.inner.norm = self.bottom, torch.nn.Identity()
+        self.config.num_hidden_layers = len(self.bottom)
+        try:
+            out = self.inner(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            )
+        finally:
+            self.inner.layers, self.inner.norm = self.top, self.norm
+            self.config.num_hidden_layers = len(self.top)
+        return out.last_hidden_state
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from pyro_bdl.models.smollm2 import smollm2_directory
+
+    return AutoTokenizer.from_pretrained(smollm2_directory())
+
+
+def _label_ids(tokenizer, dataset: str, record: dict) -> list[int]:
+    labels = _LABELS.get(dataset) or answer_labels(record, dataset)
+    return answer_token_ids(tokenizer, labels)
+
+
+def _cached(prefix: FrozenPrefix, collate, records, batch_size: int) -> list[dict]:
+    """Each record's hidden states at the cut (unpadded) and label."""
+    items = []
+    for start in range(0, len(records), batch_size):
+        batch = collate(records[start : start + batch_size])
+        hidden = prefix.hidden(batch["input_ids"], batch["attention_mask"])
+        for row in range(hidden.shape[0]):
+            keep = batch["attention_mask"][row].bool()
+            items.append({"h": hidden[row, keep].clone(), "label": batch["labels"][row]})
+    return items
+
+
+def _collate_hidden(items: list[dict]) -> dict[str, torch.Tensor]:
+    """Left-pad cached hidden states: the batch the cut model takes."""
+    length = max(item["h"].shape[0] for item in items)
+    width = items[0]["h"].shape[1]
+    embeds = torch.zeros(len(items), length, width)
+    mask = torch.zeros(len(items), length, dtype=torch.long)
+    for row, item in enumerate(items):
+        n = item["h"].shape[0]
+        embeds[row, length - n :] = item["h"]
+        mask[row, length - n :] = 1
+    labels = torch.stack([item["label"] for item in items])
+    return {"inputs_embeds": embeds, "attention_mask": mask, "labels": labels}
+
+
+def _evaluate(lora, values, items, batch_size: int, num_data: int) -> dict[str, float]:
+    probs, labels = [], []
+    with torch.no_grad(), lora.net.fixed(values):
+        for start in range(0, len(items), batch_size):
+            batch = _collate_hidden(items[start : start + batch_size])
+            probs.append(torch.softmax(lora.model(batch, num_data), -1))
+            labels.append(batch["labels"])
+    probs, labels = torch.cat(probs), torch.cat(labels)
+    return {
+        "accuracy": metrics.accuracy(probs, labels),
+        "nll": metrics.nll(probs, labels),
+        "ece": metrics.ece(probs, labels),
+    }
+
+
+def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from pyro_bdl.models import lora_model
+    from pyro_bdl.models.smollm2 import smollm2_directory
+
+    template, options = TASKS[dataset]
+    records = load(
+        dataset,
+        experiment.data_dir,
+        "train",
+        limit=sizes["num_train"] + sizes["num_test"],
+        seed=seed,
+        **options,
+    )
+    train, test = records[: sizes["num_train"]], records[sizes["num_train"] :]
+    tokenizer = _tokenizer()
+    ids = _label_ids(tokenizer, dataset, records[0])
+    torch.manual_seed(seed)
+    full = AutoModelForCausalLM.from_pretrained(smollm2_directory())
+    full.eval()
+    collate = CausalMultipleChoiceCollator(
+        tokenizer, dataset, max_length=sizes["max_length"], template=template
+    )
+    # Check the cut on the whole model first (a reference before it is cut).
+    reference = _cached_reference(full, collate, train[:2], ids)
+    prefix = FrozenPrefix(full, sizes["top_layers"])
+    train_items = _cached(prefix, collate, train, sizes["batch_size"])
+    test_items = _cached(prefix, collate, test, sizes["batch_size"])
+    lora = lora_model(full, "multiple_choice", label_token_ids=ids, tokenizer=tokenizer)
+    # Calling the Pyro model draws the adapters from the prior: fix them at the module's.
+    with torch.no_grad(), lora.net.fixed(lora.net.init_values()):
+        cut = lora.model(_collate_hidden(train_items[:2]), len(train_items))
+    cut_error = float((reference - cut).abs().max())
+    if cut_error > 1e-3:
+        raise RuntimeError(
+            f"the cut model's answer logits differ by {cut_error:.3g} from the whole"
+        )
+    counts = torch.bincount(torch.stack([i["label"] for i in test_items]), minlength=len(ids))
+    loader = DataLoader(
+        train_items,
+        batch_size=sizes["batch_size"],
+        shuffle=True,
+        collate_fn=_collate_hidden,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    values = lora.net.init_values()
+    curve = [{"step": 0, **_evaluate(lora, values, test_items, 16, len(train_items))}]
+    _logger.info("%s step 0: %s", dataset, curve[-1])
+    lora.train()
+    for step in range(sizes["eval_every"], sizes["num_steps"] + 1, sizes["eval_every"]):
+        # map_estimate starts from the module's adapters: where the last chunk stopped.
+        predictor = map_estimate(
+            lora.model,
+            loader,
+            len(train_items),
+            num_steps=sizes["eval_every"],
+            lr=sizes["lr"],
+            schedule="constant",
+            warmup_ratio=0.0,
+            progress=False,
+        )
+        values = predictor.point()
+        _set_module(lora, values)
+        lora.eval()
+        curve.append({"step": step, **_evaluate(lora, values, test_items, 16, len(train_items))})
+        lora.train()
+        _logger.info("%s step %d: %s", dataset, step, curve[-1])
+    lora.eval()
+    return {
+        "curve": curve,
+        "majority": float(counts.max()) / float(counts.sum()),
+        "chance_nll": math.log(len(ids)),
+        "num_train": len(train_items),
+        "num_test": len(test_items),
+        "mean_prompt_tokens": sum(i["h"].shape[0] for i in train_items) / len(train_items),
+        "cut_error": cut_error,
+        "settings": dict(sizes),  # each cell its own: a resumed run may use other sizes
+    }
+
+
+def _cached_reference(full, collate, records, ids: list[int]) -> torch.Tensor:
+    """Answer-token logits of the whole model, before the cut, for the check."""
+    batch = collate(records)
+    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = full(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
+    return logits[:, -1, ids]
+
+
+def _set_module(lora, values) -> None:
+    with torch.no_grad():
+        for site, value in values.items():
+            lora.net.parameter(site).copy_(value)
+
+
+def run(experiment: Experiment) -> dict:
+    """Learning curves of SmolLM2 + LoRA on each task; ``learning_curves.png``."""
+    sizes = QUICK if experiment.quick else FULL
+    experiment.settings.update(sizes)
+    datasets = experiment.selected("datasets", TASKS)
+    experiment.selected("methods", METHODS)  # refuses a name it does not have, before any work
+    results = {}
+    for dataset in datasets:
+        for seed in experiment.seeds[:1]:
+            results[dataset] = experiment.cell(
+                (dataset, "MAP", seed), lambda d=dataset, s=seed: _task(experiment, d, sizes, s)
+            )
+    rows = []
+    for dataset, result in results.items():
+        first, last = result["curve"][0], result["curve"][-1]
+        best = max(result["curve"], key=lambda point: point["accuracy"])
+        rows.append(
+            {
+                "dataset": dataset,
+                "majority": result["majority"],
+                "zero-shot acc": first["accuracy"],
+                "final acc": last["accuracy"],
+                "best acc (step)": f"{best['accuracy']:.3f} ({best['step']})",
+                "final NLL": last["nll"],
+                "chance NLL": result["chance_nll"],
+            }
+        )
+    table = markdown_table(rows, list(rows[0]) if rows else ["dataset"])
+    print(table)
+    (experiment.out / "learnability.md").write_text(table + "\n")
+    _plot(results, experiment.out / "learning_curves.png")
+    experiment.write_results(results)
+    return results
+
+
+def _plot(results: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for dataset, result in results.items():
+        steps = [point["step"] for point in result["curve"]]
+        line = left.plot(steps, [p["accuracy"] for p in result["curve"]], marker="o", label=dataset)
+        left.axhline(result["majority"], color=line[0].get_color(), linestyle=":", linewidth=1)
+        right.plot(steps, [p["nll"] - result["chance_nll"] for p in result["curve"]], marker="o")
+    left.set(xlabel="fine-tuning steps", ylabel="test accuracy (dotted: majority class)")
+    right.set(xlabel="fine-tuning steps", ylabel="test NLL - ln(choices)")
+    right.axhline(0.0, color="grey", linewidth=1)
+    left.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+if __name__ == "__main__":  # python -m experiments.llm_learnability [options]
+    from experiments import main
+
+    main(name="llm-learnability")
