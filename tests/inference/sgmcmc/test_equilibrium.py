@@ -65,18 +65,13 @@ def _run(kernel, warmup_steps, num_samples=4000):
 FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
 
 
-@pytest.mark.parametrize(
-    "adaptation",
-    [
-        pytest.param(FIXED, id="fixed"),
-        pytest.param(
-            {},
-            id="adapted",
-            marks=pytest.mark.slow,
-        ),
-    ],
-)
-def test_sgnht_from_a_far_start_gives_the_posterior_without_warning(adaptation):
+def test_sgnht_from_a_far_start_gives_the_posterior_without_warning():
+    # with warm-up adaptation too: validation/test_sgmcmc_equilibrium.py
+    assert_far_start_gives_the_posterior(FIXED)
+
+
+def assert_far_start_gives_the_posterior(adaptation):
+    """SGNHT from the prior mean, 500 warm-up steps and 4,000 draws: the posterior."""
     _, _, mean, covariance = _problem()
     kernel = SGNHT(_model(), step_size=0.01, **adaptation)
     draws, kernel, messages = _run(kernel, warmup_steps=500)
