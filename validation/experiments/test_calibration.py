@@ -80,3 +80,22 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data, report):
     again = run_experiment("calibration", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
     assert json.dumps(again["metrics"]) == json.dumps(results["metrics"])
     assert [cell.stat().st_mtime_ns for cell in cells] == stamps
+
+
+def test_epochs_ablation_trains_longer_in_its_own_cells(tmp_path, shared_data):
+    options = {"data_dir": shared_data, "out": tmp_path, "quick": True, "seeds": [0]}
+    options |= {"datasets": ["sst2"], "methods": ["MAP"]}
+    default = run_experiment("calibration", **options)
+    default_cell = tmp_path / "cells" / "sst2__MAP__0.json"
+    stamp = default_cell.stat().st_mtime_ns
+    longer = run_experiment("calibration", epochs=3, **options)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    spec = QUICK["sst2"]
+    batches = -(-spec.train_size // spec.batch_size)
+    assert saved["settings"]["sizes"]["sst2"]["steps"] == 3 * batches
+    assert spec.epochs != 3  # so the ablation is another fine-tune, cached apart
+    assert (tmp_path / "cells" / "sst2__MAP__0__epochs=3.json").exists()
+    assert (tmp_path / "checkpoints" / "sst2__epochs=3" / "seed0" / "map.pt").exists()
+    assert default_cell.stat().st_mtime_ns == stamp
+    before = default["metrics"]["sst2"]["MAP"]["nll"]["mean"]
+    assert longer["metrics"]["sst2"]["MAP"]["nll"]["mean"] != before
