@@ -42,7 +42,7 @@ test: $(STAMP)
 # The long statistical checks (SGMCMC defaults against NUTS and posteriordb, the
 # experiments in --quick mode, the examples), printing their tables as they go.
 validate: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup validation
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal validation
 
 bench: $(STAMP)
 	for script in benchmarks/*.py; do $(PY) $$script || exit 1; done
