@@ -166,7 +166,7 @@ MUTATIONS = [
         SG + "sgnht.py",
         "state.thermostat.add_(step_size * (kinetic - target))",
         "state.thermostat.add_(step_size * (target - kinetic))",
-        T_SG + T_SGNHT,
+        T_SGNHT + T_EQ,
     ),
     (
         "prior-score-drops-mean",
