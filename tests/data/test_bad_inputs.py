@@ -208,7 +208,8 @@ def test_multiple_choice_collators(minilm_tokenizer, word_tokenizer):
         (torch.arange(10), 4, True, TypeError, "stride must be"),
         ([1, 2, 3], 2, None, TypeError, "tokens must be a 1-D tensor of token ids"),
         (torch.zeros(2, 5, dtype=torch.long), 2, None, TypeError, "tokens must be a 1-D tensor"),
-        (torch.rand(10), 2, None, TypeError, "tokens must be a 1-D tensor of token ids"),
+        # float token ids (fixed values: a test id must be the same in every process)
+        (torch.linspace(0, 1, 10), 2, None, TypeError, "tokens must be a 1-D tensor of token ids"),
         (torch.arange(0), 2, None, ValueError, "empty token sequence"),
     ],
     ids=str,

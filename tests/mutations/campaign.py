@@ -1,10 +1,12 @@
 # ruff: noqa: E501 (the table of mutations quotes source lines whole)
-"""Mutation campaign: does the suite catch plausible one-line bugs? (issue 15)
+"""Mutation campaign: does the quick tier catch plausible one-line bugs? (issues 15, 34)
 
 Not collected by pytest (no ``test_`` prefix). Each mutation replaces one exact source
-string in ``pyro_bdl/`` (it must occur exactly once), runs the relevant test files
-(``-x -q``, one thread, ``timeout 300``) and restores the file. A mutation is *caught*
-when the tests fail. It runs on a copy of the checkout, so the worktree is never touched:
+string in ``pyro_bdl/`` (it must occur exactly once), runs the quick-tier tests listed for
+it (``tests/`` only, never ``validation/``: the tests of the mutated module that can see
+the bug; ``-x -q``, one thread, ``timeout 300``) and restores the file. A mutation is
+*caught* when the tests fail; the listed tests first run together on the unmutated copy,
+which must pass. It runs on a copy of the checkout, so the worktree is never touched:
 
     python tests/mutations/campaign.py [--only ID ...] [--out tests/mutations/RESULTS.md]
 """
@@ -92,22 +94,22 @@ MUTATIONS = [
     (
         "sgld-drift-no-N",
         SG + "sgld.py",
-        "torch._foreach_add_(theta, grads, alpha=step_size / self.num_data)",
+        "torch._foreach_add_(theta, grads, alpha=step_size / num_data)",
         "torch._foreach_add_(theta, grads, alpha=step_size)",
         T_SG + T_SGLD,
     ),
     (
         "sgld-noise-no-N",
         SG + "sgld.py",
-        "self.temperature / self.num_data)",
-        "self.temperature)",
+        "math.sqrt(2 * step_size * self.temperature / num_data)",
+        "math.sqrt(2 * step_size * self.temperature)",
         T_SG + T_SGLD,
     ),
     (
         "sghmc-noise-no-friction",
         SG + "sghmc.py",
-        "2 * step_size * self.temperature * self.friction / self.num_data",
-        "2 * step_size * self.temperature / self.num_data",
+        "math.sqrt(2 * step_size * self.temperature * self.friction / num_data)",
+        "math.sqrt(2 * step_size * self.temperature / num_data)",
         T_SG + T_SGHMC,
     ),
     (
@@ -127,8 +129,8 @@ MUTATIONS = [
     (
         "sghmc-noise-times-mass",
         SG + "sghmc.py",
-        "2 * step_size * self.temperature * self.friction / self.num_data",
-        "2 * step_size * self.temperature * self.friction * self.mass / self.num_data",
+        "math.sqrt(2 * step_size * self.temperature * self.friction / num_data)",
+        "math.sqrt(2 * step_size * self.temperature * self.friction * self.mass / num_data)",
         T_SG + T_SGHMC,
     ),
     (
@@ -139,32 +141,32 @@ MUTATIONS = [
         T_EQ,
     ),
     (
-        "sgnht-position-no-mass",
+        "sgnht-friction-no-mass",
         SG + "sgnht.py",
-        "torch._foreach_add_(theta, m, alpha=step_size / self.mass)",
-        "torch._foreach_add_(theta, m, alpha=step_size)",
+        "return 1 - (step_size / self.mass) * self.state.thermostat",
+        "return 1 - step_size * self.state.thermostat",
         T_SG + T_SGNHT,
     ),
     (
         "sgnht-thermostat-target-no-N",
         SG + "sgnht.py",
-        "(kinetic - self.temperature / self.num_data)",
-        "(kinetic - self.temperature)",
+        "target = (self.temperature / self.num_data) / (1 - rate)",
+        "target = self.temperature / (1 - rate)",
         T_SG + T_SGNHT,
     ),
     (
         "sgnht-refresh-no-mass",
-        SG + "sgnht.py",
-        "alpha=math.sqrt(self.mass * variance)",
-        "alpha=math.sqrt(variance)",
+        SG + "sghmc.py",
+        "variance = self.mass * self._free_kinetic_temperature(",
+        "variance = self._free_kinetic_temperature(",
         T_EQ + T_SGNHT,
     ),
     (
-        "sgnht-noise-no-friction",
+        "sgnht-thermostat-sign",
         SG + "sgnht.py",
-        "2 * step_size * self.temperature * self.friction / self.num_data",
-        "2 * step_size * self.temperature / self.num_data",
-        T_SG + T_SGNHT,
+        "state.thermostat.add_(step_size * (kinetic - target))",
+        "state.thermostat.add_(step_size * (target - kinetic))",
+        T_SGNHT + T_EQ,
     ),
     (
         "prior-score-drops-mean",
@@ -212,7 +214,7 @@ MUTATIONS = [
     (
         "evidence-drops-prior-mean",
         LA + "evidence.py",
-        "(delta * (value - prior_loc[site]).square()).sum()",
+        "(delta * (value - mean).square()).sum()",
         "(delta * value.square()).sum()",
         T_LA,
     ),
@@ -220,7 +222,7 @@ MUTATIONS = [
     (
         "evidence-drops-2pi",
         LA + "evidence.py",
-        "log_prior = log_prior - 0.5 * num_params * math.log(2 * math.pi)",
+        "log_prior = log_prior - 0.5 * gaussian * math.log(2 * math.pi)",
         "log_prior = log_prior",
         T_LA,
     ),
@@ -339,17 +341,17 @@ MUTATIONS = [
     ),
     # -- VI: flipout, BLoB KL weight, IVON
     (
-        "flipout-input-signs-shared",
+        "flipout-signs-shared-by-the-batch",
         VI + "flipout.py",
-        "s = _rademacher(h.shape, h)",
-        "s = _rademacher(h.shape[-1:], h)",
+        "torch.randint(0, 2, h.shape[:-1] + (n + r,),",
+        "torch.randint(0, 2, (n + r,),",
         T_FLIPOUT,
     ),
     (
-        "flipout-output-signs-per-sequence",
+        "flipout-output-sign-flipped",
         VI + "flipout.py",
-        "t = _rademacher(h.shape[:-1] + delta.shape[:1], h)",
-        "t = _rademacher(h.shape[:1] + (1,) * (h.dim() - 2) + delta.shape[:1], h)",
+        "torch.addcmul(F.linear(h, mean) - y, y, bits_t, value=2.0)",
+        "torch.addcmul(F.linear(h, mean) + y, y, bits_t, value=-2.0)",
         T_FLIPOUT,
     ),
     (
@@ -404,9 +406,30 @@ MUTATIONS = [
     (
         "ivon-decay-no-N",
         VI + "ivon.py",
-        'site["scale"] / (num_data * scale.square())',
-        'site["scale"] / scale.square()',
+        'self.sites[name].message["scale"] / (num_data * prior[1].square())',
+        'self.sites[name].message["scale"] / prior[1].square()',
         T_IVON,
+    ),
+    (
+        "thin-off-by-one",
+        SG + "base.py",
+        "for inner in range(1 if warmup else self.thin):",
+        "for inner in range(1 if warmup else self.thin + 1):",
+        ["tests/inference/sgmcmc/test_kernel.py"],
+    ),
+    (
+        "sgld-temperature-squared",
+        SG + "sgld.py",
+        "math.sqrt(2 * step_size * self.temperature / num_data)",
+        "math.sqrt(2 * step_size * self.temperature**2 / num_data)",
+        T_SG + [POSTERIOR + "test_draws_match_the_tempered_posterior[sgld-T0.5]"],
+    ),
+    (
+        "sghmc-temperature-not-in-noise",
+        SG + "sghmc.py",
+        "math.sqrt(2 * step_size * self.temperature * self.friction / num_data)",
+        "math.sqrt(2 * step_size * self.friction / num_data)",
+        T_SG + [POSTERIOR + "test_draws_match_the_tempered_posterior[sghmc-mass0.5-T0.5]"],
     ),
     # -- checkpoints, baselines
     (
@@ -441,11 +464,15 @@ def run(mutation, copy: Path, timeout: int) -> tuple[str, str]:
     a fresh interpreter per mutation spends most of its time importing them.
     """
     ident, path, old, new, tests = mutation
-    source = copy / path
+    outside = [test for test in tests if not test.startswith("tests/")]
+    if outside:  # the campaign judges the quick tier, `make test`
+        return "invalid", f"not quick-tier tests: {outside}"
+    source = copy / (path or "pyproject.toml")
     text = source.read_text()
-    if text.count(old) != 1:
+    if path is not None and text.count(old) != 1:
         return "invalid", f"the string occurs {text.count(old)} times"
-    source.write_text(text.replace(old, new))
+    if path is not None:
+        source.write_text(text.replace(old, new))
     log = copy / "mutation.log"
     try:
         pid = os.fork()
@@ -466,6 +493,8 @@ def run(mutation, copy: Path, timeout: int) -> tuple[str, str]:
     code = os.WEXITSTATUS(status)
     if code == 0:
         return "survived", ""
+    if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.NO_TESTS_COLLECTED):
+        return "invalid", f"pytest exit code {code}: a listed test does not exist"
     failed = [line for line in log.read_text().splitlines() if line.startswith(("FAILED", "ERROR"))]
     return "caught", failed[0].split(" - ")[0].split(" ", 1)[-1] if failed else f"rc {code}"
 
@@ -474,7 +503,7 @@ def checkout_copy(tmp: Path) -> Path:
     """A copy of the library and its tests whose ``../shared`` is the checkout's."""
     copy = tmp / "root"
     copy.mkdir()
-    for name in ("pyro_bdl", "tests", "examples", "pyproject.toml"):
+    for name in ("pyro_bdl", "tests", "examples", "experiments", "pyproject.toml", "conftest.py"):
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, copy / name)
         elif (ROOT / name).exists():
@@ -499,6 +528,17 @@ def main() -> None:
         except ImportError:  # a peer not installed: its tests skip
             pass
     with tempfile.TemporaryDirectory() as tmp:
+        # Control: every listed test passes on the unmutated copy, or no failure means much.
+        union = sorted({test for mutation in chosen for test in mutation[4]})
+        (Path(tmp) / "control").mkdir()
+        verdict, where = run(
+            ("control", None, "", "", union),
+            checkout_copy(Path(tmp) / "control"),
+            4 * options.timeout,
+        )
+        print(f"{'control (no mutation)':40s} {verdict:9s} {where}", flush=True)
+        if verdict != "survived":
+            raise SystemExit(f"the unmutated tests do not pass ({verdict}: {where})")
         workers = []
         for job in range(options.jobs):
             (Path(tmp) / str(job)).mkdir()
@@ -526,10 +566,11 @@ def main() -> None:
     caught = sum(r[2] == "caught" for r in rows)
     valid = sum(r[2] != "invalid" for r in rows)
     lines = [
-        "# Mutation campaign (issue 15)",
+        "# Mutation campaign (issues 15 and 34)",
         "",
-        "`python tests/mutations/campaign.py --jobs 2` (each mutation: the listed tests,",
-        "`pytest -x -q`, one thread, a time limit; a timeout is not counted as caught).",
+        "`python tests/mutations/campaign.py --jobs 2` (each mutation: the listed quick-tier",
+        "tests of the mutated module, `pytest -x -q`, one thread, a time limit; a timeout is",
+        "not counted as caught; the listed tests first pass together on the unmutated copy).",
         "",
         f"{caught} of {valid} caught ({100 * caught / max(valid, 1):.0f} %).",
         "",

@@ -12,16 +12,24 @@ scaled N / B, is exactly the full-data gradient: the minibatch chain has the ful
 chain's stationary law, with no gradient noise, and any error in the N / B scaling (of the
 likelihood, of the noise or of the drift) moves it by a factor of up to 4.
 
-Tolerances. Each chain's Monte Carlo error is estimated by batch means (20 batches of
-consecutive draws, long against the autocorrelation time), and every entry must lie
-within 4 standard errors of its expectation. The expectation is not exactly T * I:
+Many chains at once. The lifted layer is ``Linear(DIM, CHAINS)``: its weight is
+``(CHAINS, DIM)``, its output ``(B, CHAINS)``, and every column sees the same data, so the
+posterior is ``CHAINS`` independent copies of the regression's and a fixed (unadapted)
+SGLD or SGHMC kernel, whose update is elementwise, runs ``CHAINS`` independent chains in
+one step. 40 chains of 100 kept draws (200 warm-up steps from the posterior mean, then
+500 or 1,000 steps) hold twice the 2,000 draws that one chain of 10,000 - 20,000 steps
+held before, for a fifteenth of the Python calls.
+
+Tolerances. The Monte Carlo error is estimated from the 40 chains' means (as batch
+means, but the batches are independent), and every entry must lie within 4 standard
+errors of its expectation. The expectation is not exactly T * I:
 Euler-Maruyama inflates the stationary covariance at a finite step size. On a Gaussian
 target the discretised chain is linear, so its exact stationary covariance is a
 Lyapunov equation per eigen-direction of P / N; we use it as the expectation and check
 separately that it is within 3 % of the posterior's, so the test also pins the sampler
 to the posterior itself.
 
-Resolution. One entry at a time, 4 standard errors are about 30 % of a variance. The
+Resolution. One entry at a time, 4 standard errors are about 20 % of a variance. The
 pooled statistic, the mean of the D whitened variances, averages D nearly independent
 estimates, so its batch-means standard error is about sqrt(D) = 2.8 times smaller and
 4 of them are under 10 % of T: a sampler whose variances are all 10 % off fails.
@@ -41,7 +49,8 @@ from pyro_bdl.inference import SGHMC, SGLD, SGNHT
 
 NUM_DATA, BATCH, DIM = 200, 50, 8
 PRIOR_SCALE, PRIOR_MEAN = 0.1, 0.5
-NUM_BATCHES = 20
+#: Independent chains, each of 100 kept draws: the chains are the batches of the tolerances.
+CHAINS, DRAWS = 40, 100
 #: The exact stationary law below is the fixed kernel's: no warm-up adaptation.
 FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
 
@@ -115,13 +124,19 @@ def test_draws_match_the_tempered_posterior(make_kernel, temperature):
     expected_white = whiten(whiten(basis @ torch.diag(stationary) @ basis.T).T)
     target = temperature * torch.eye(DIM, dtype=torch.float64)
     assert torch.allclose(expected_white, target, atol=0.03 * temperature)
-    _assert_whitened_moments(whiten((draws - mean).T).T, expected_white, bias=0.0)
+    _assert_whitened_moments(
+        whiten((draws - mean).reshape(-1, DIM).T).T.reshape(DRAWS, CHAINS, DIM),
+        expected_white,
+        bias=0.0,
+    )
 
 
 def test_sgnht_draws_match_the_posterior():
     # The thermostat equalises the kinetic energy of the discretised momenta, which
     # biases the position variance by O(step_size * friction / mass) = O(0.025) here;
-    # the test allows 0.03 on top of the Monte Carlo error.
+    # the test allows 0.03 on top of the Monte Carlo error. One thermostat serves the
+    # CHAINS copies (SGNHT's is shared by every coordinate): a valid SGNHT on the product
+    # posterior, whose thermostat averages CHAINS * DIM kinetic energies.
     x, y, mean, covariance, _ = _regression()
     kernel = SGNHT(_model(), step_size=0.025, friction=0.5, mass=0.5, thin=10, **FIXED)
     draws = _run(kernel, x, y, mean)
@@ -129,20 +144,26 @@ def test_sgnht_draws_match_the_posterior():
     identity = torch.eye(DIM, dtype=torch.float64)
     # The thermostat's chain mixes slower (4 standard errors of the pooled variance
     # are about 14 %): its resolution is not claimed.
-    _assert_whitened_moments(whiten((draws - mean).T).T, identity, bias=0.03, resolution=None)
+    _assert_whitened_moments(
+        whiten((draws - mean).reshape(-1, DIM).T).T.reshape(DRAWS, CHAINS, DIM),
+        identity,
+        bias=0.03,
+        resolution=None,
+    )
     stats = kernel.diagnostics()["sample_stats"]["thermostat"]
     assert abs(sum(stats) / len(stats) - 0.5) < 0.1
 
 
 def _model():
     net = bdl.lift(
-        torch.nn.Linear(DIM, 1, bias=False).double(),
+        torch.nn.Linear(DIM, CHAINS, bias=False).double(),
         bdl.priors.IIDNormal(PRIOR_SCALE, loc=PRIOR_MEAN),
     )
 
     def model(batch):
         x, y = batch
-        bdl.observe("y", dist.Normal(net(x).squeeze(-1), 1.0), y, NUM_DATA)
+        # (B, CHAINS): each chain's likelihood of the same examples, summed per example
+        bdl.observe("y", dist.Normal(net(x), 1.0), y[:, None].expand(-1, CHAINS), NUM_DATA)
 
     return model
 
@@ -151,13 +172,13 @@ def _run(kernel, x, y, mean):
     pyro.set_rng_seed(0)
     mcmc = MCMC(
         kernel,
-        num_samples=2000,
+        num_samples=DRAWS,
         warmup_steps=200,
-        initial_params={"weight": mean.reshape(1, DIM)},
+        initial_params={"weight": mean.expand(CHAINS, DIM).clone()},
         disable_progbar=True,
     )
     mcmc.run(_loader(x, y))
-    return mcmc.get_samples()["weight"].reshape(-1, DIM)
+    return mcmc.get_samples()["weight"]  # (DRAWS, CHAINS, DIM)
 
 
 def _whitener(covariance):
@@ -166,17 +187,19 @@ def _whitener(covariance):
 
 
 def _assert_whitened_moments(z, expected_covariance, bias, resolution=0.1):
-    """Mean 0 and covariance as expected, within 4 batch-means standard errors (+ bias),
-    entry by entry and pooled (the mean of the whitened variances), whose 4 standard
-    errors must be below ``resolution`` of the expected value (None: not checked)."""
-    batches = z.reshape(NUM_BATCHES, -1, DIM)
+    """Mean 0 and covariance as expected, within 4 standard errors (+ bias) from the
+    chains' means, entry by entry and pooled (the mean of the whitened variances), whose 4
+    standard errors must be below ``resolution`` of the expected value (None: not
+    checked). ``z`` is ``(DRAWS, CHAINS, DIM)``."""
+    batches = z.transpose(0, 1)  # one batch per chain
     batch_covs = torch.einsum("bni,bnj->bij", batches, batches) / batches.shape[1]
-    mean_se = batches.mean(1).std(0) / NUM_BATCHES**0.5
-    cov_se = batch_covs.std(0) / NUM_BATCHES**0.5
+    mean_se = batches.mean(1).std(0) / CHAINS**0.5
+    cov_se = batch_covs.std(0) / CHAINS**0.5
+    z = z.reshape(-1, DIM)
     assert (z.mean(0).abs() < 4 * mean_se).all()
     assert ((z.T @ z / len(z) - expected_covariance).abs() < 4 * cov_se + bias).all()
     pooled = batch_covs.diagonal(dim1=1, dim2=2).mean(1)
-    pooled_se = pooled.std(0) / NUM_BATCHES**0.5
+    pooled_se = pooled.std(0) / CHAINS**0.5
     expected_pooled = expected_covariance.diagonal().mean()
     if resolution is not None:  # the resolution the module docstring claims
         assert 4 * pooled_se < resolution * expected_pooled

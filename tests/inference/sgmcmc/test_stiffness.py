@@ -77,29 +77,29 @@ def _correlated_gaussian():
 
 
 @pytest.mark.parametrize("kernel_class", [SGLD, SGHMC])
-def test_stiffest_direction_is_held_at_the_target_excess(kernel_class):
+def test_warmup_finds_the_stiffest_direction_and_lowers_the_step(kernel_class):
     # The diagonal mass leaves the correlation: along the precision's top eigenvector the
-    # whitened curvature is 1.95 times the average, and the kept step is lowered until
-    # its variance excess is target_excess (0.1; SGHMC a little below, as the friction's
-    # share of its excess grows when the step falls). 40,000 draws along the stiff
-    # direction, which mixes in a few steps, leave its variance within about 1.5 %
-    # (Monte Carlo): 0.05 is over 3 standard errors.
-    model, covariance = _correlated_gaussian()
-    kernel = kernel_class(model, num_data=1)
-    pyro.set_rng_seed(0)
-    mcmc = MCMC(kernel, num_samples=40_000, warmup_steps=2000, disable_progbar=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # it samples its "prior"
-        mcmc.run()
+    # whitened curvature is 1.95 times the average, and warm-up lowers the kept step for
+    # it. That the lowered step holds that direction at target_excess takes 40,000 draws:
+    # validation/test_sgmcmc_stiffness.py.
+    kernel, _, covariance = run_correlated_gaussian(kernel_class, num_samples=2)
     precision = torch.linalg.inv(covariance)
     scale = kernel.inverse_mass_matrix["z"].sqrt()
     whitened = torch.linalg.eigvalsh(scale[:, None] * precision * scale[None, :])
     assert kernel.stiffness == pytest.approx((whitened.max() / whitened.mean()).item(), rel=0.1)
     assert kernel.state.adaptation.stiff_factor < 1
-    stiffest = torch.linalg.eigh(precision).eigenvectors[:, -1]
-    z = mcmc.get_samples()["z"]
-    excess = (z @ stiffest).var() / (stiffest @ covariance @ stiffest) - 1
-    assert excess.item() == pytest.approx(kernel.target_excess, abs=0.05)
+
+
+def run_correlated_gaussian(kernel_class, num_samples):
+    """(kernel, mcmc, covariance) after 2,000 warm-up steps and ``num_samples`` draws."""
+    model, covariance = _correlated_gaussian()
+    kernel = kernel_class(model, num_data=1)
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=2000, disable_progbar=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # it samples its "prior"
+        mcmc.run()
+    return kernel, mcmc, covariance
 
 
 def test_an_axis_aligned_gaussian_keeps_its_tuned_step():
