@@ -32,8 +32,14 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data, report):
             assert row["AUROC EU"] == "-"
         else:
             assert 0 <= row["AUROC EU"]["mean"] <= 1
-    # two classes: dividing the logits by T keeps the order of the entropies
-    assert table["MAP+TS"]["AUROC TU"]["mean"] == pytest.approx(table["MAP"]["AUROC TU"]["mean"])
+    # Two classes: dividing the logits by T keeps every argmax and, in exact arithmetic, the
+    # order of the entropies, so the AUROC; in floating point a small T can round the most
+    # confident inputs' entropies to one value and tie them (a --quick run measured 0.6445
+    # against 0.6484), hence a tolerance, not equality.
+    assert table["MAP+TS"]["SST-2 accuracy"] == table["MAP"]["SST-2 accuracy"]
+    assert table["MAP+TS"]["AUROC TU"]["mean"] == pytest.approx(
+        table["MAP"]["AUROC TU"]["mean"], abs=0.02
+    )
     # the serial chain's function-space R-hat beside the table (4 draws in --quick: defined)
     assert table["SGHMC-serial"]["function R-hat"]["mean"] >= 1
     assert all(row["function R-hat"] == "-" for m, row in table.items() if m != "SGHMC-serial")
