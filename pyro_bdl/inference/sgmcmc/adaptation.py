@@ -331,10 +331,7 @@ class Adaptation:
         if self._stiff is not None and self._in_slow_window:
             self.stiffness = self._stiff.ratio()
         if self.adapt_mass_matrix and self._in_slow_window:
-            # the sums become the window's first and second moments
-            torch._foreach_mul_(self._means.flats, 1.0 / self._count)
-            torch._foreach_mul_(self._squares.flats, 1.0 / self._count)
-            self._refresh_mass(self._count, _DRIFT_CAP)
+            self._end_slow_window()
         if self.adapt_mass_matrix and self._window < len(self._windows) - 1:
             for flat in (*self._means.flats, *self._squares.flats):
                 flat.zero_()
@@ -358,6 +355,13 @@ class Adaptation:
             self._agree()
 
     # -- internals ---------------------------------------------------------------------
+
+    def _end_slow_window(self) -> None:
+        """The mass from the slow window's gradients."""
+        # the sums become the window's first and second moments
+        torch._foreach_mul_(self._means.flats, 1.0 / self._count)
+        torch._foreach_mul_(self._squares.flats, 1.0 / self._count)
+        self._refresh_mass(self._count, _DRIFT_CAP)
 
     @property
     def _in_slow_window(self) -> bool:

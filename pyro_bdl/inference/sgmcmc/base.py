@@ -56,6 +56,12 @@ from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.adaptation import DEFAULT_TARGET_EXCESS, Adaptation
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
 from pyro_bdl.inference.sgmcmc.convergence import FunctionSpaceMonitor, convergence_warning
+from pyro_bdl.inference.sgmcmc.dense import (
+    DRIFT_TOLERANCE,
+    DenseAdaptation,
+    dense_by_default,
+    one_kind,
+)
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise, norm
 from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start, diagnose
 from pyro_bdl.inference.sgmcmc.kept import KeptDraws
@@ -64,6 +70,9 @@ from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
 from pyro_bdl.inference.sgmcmc.target import checked_init_params, model_target, placed_like
 
 __all__ = ["SGMCMCKernel", "DivergenceError"]
+
+#: Power-method iterations (extra gradients, once) for the first dense metric's scale.
+CURVATURE_ITERATIONS = 10
 
 
 class SGMCMCKernel(MCMCKernel):
@@ -88,6 +97,12 @@ class SGMCMCKernel(MCMCKernel):
         squared gradients during warm-up (Pyro's name). Nothing adapts at
         ``temperature=0``, with ``warmup_steps=0`` or with both flags False: the kernel
         is then the fixed one, step for step.
+    :param bool dense_mass: adapt a dense mass (Stan's ``dense_e``, Pyro's
+        ``full_mass``) from the positions and gradients of the warm-up's windows (see
+        :mod:`~pyro_bdl.inference.sgmcmc.dense`) instead of the diagonal one; by default
+        (None) dense for models of at most ``DENSE_MAX_DIMENSION`` (200) unconstrained
+        parameters of one dtype, where strongly correlated posteriors are common and a
+        :math:`d \\times d` matrix costs nothing, diagonal beyond (networks).
     :param float target_excess: the relative excess of the stationary position
         variance, from discretisation and gradient noise, that the step size is tuned
         to (default 0.1).
@@ -122,6 +137,7 @@ class SGMCMCKernel(MCMCKernel):
         *,
         adapt_step_size: bool = True,
         adapt_mass_matrix: bool = True,
+        dense_mass: bool | None = None,
         target_excess: float = DEFAULT_TARGET_EXCESS,
         num_data: int | None = None,
         thin: int = 1,
@@ -138,6 +154,9 @@ class SGMCMCKernel(MCMCKernel):
         self.adapt_mass_matrix = instance(
             "adapt_mass_matrix", adapt_mass_matrix, bool, "True or False"
         )
+        if dense_mass is not None:
+            instance("dense_mass", dense_mass, bool, "True, False or None (by dimension)")
+        self.dense_mass = dense_mass
         self.target_excess = real("target_excess", target_excess, positive=True, high=1.0)
         if step_size is None:
             if not adapt_step_size:
@@ -186,6 +205,7 @@ class SGMCMCKernel(MCMCKernel):
             "step_size": self.step_size,
             "adapt_step_size": self.adapt_step_size,
             "adapt_mass_matrix": self.adapt_mass_matrix,
+            "dense_mass": self.dense_mass,
             "target_excess": self.target_excess,
             "temperature": self.temperature,
             "num_data": self.num_data if self.transforms is not None else self._num_data_arg,
@@ -241,7 +261,9 @@ class SGMCMCKernel(MCMCKernel):
         self.dimension = sum(t.numel() for t in theta)
         self.state = state = self._new_state(dict(zip(target.sites, theta)))
         state.adaptation = self._new_adaptation(warmup_steps)
-        state.scale = None if state.adaptation is None else state.adaptation.scale
+        # a dense mass moves the chain in whitened coordinates with the unit-mass update
+        dense = isinstance(state.adaptation, DenseAdaptation)
+        state.scale = None if state.adaptation is None or dense else state.adaptation.scale
         self.info = None
         self._watch = LaggedRead()
         chain = chain_number(self._chain_id)
@@ -378,10 +400,19 @@ class SGMCMCKernel(MCMCKernel):
     def inverse_mass_matrix(self) -> dict[str, torch.Tensor] | None:
         """The diagonal of the adapted inverse mass :math:`D^{-1}` per site, shaped like
         the site's unconstrained value (None when the mass is not adapted): the
-        preconditioner of SGLD, the inverse mass of SGHMC and SGNHT over ``mass``."""
+        preconditioner of SGLD, the inverse mass of SGHMC and SGNHT over ``mass``. With a
+        dense mass, one entry keyed by the tuple of every site's name (as Pyro's HMC
+        keys a ``full_mass`` group): the :math:`d \\times d` matrix over the sites'
+        flattened values in order."""
+        if isinstance(self._adaptation, DenseAdaptation):
+            return {tuple(self.state.params): self._adaptation.inverse_mass_matrix}
         if self.state is None or self.state.scale is None:
             return None
         return {name: s.square() for name, s in zip(self.state.params, self.state.scale)}
+
+    @property
+    def _adaptation(self) -> Adaptation | None:
+        return None if self.state is None else self.state.adaptation
 
     # -- warm-up adaptation ----------------------------------------------------------
 
@@ -394,10 +425,7 @@ class SGMCMCKernel(MCMCKernel):
                     "a step size, or warm-up steps in which to find one"
                 )
             return None
-        return Adaptation(
-            self.state.theta,
-            warmup_steps,
-            self.step_size,
+        settings = dict(
             adapt_step_size=self.adapt_step_size,
             adapt_mass_matrix=self.adapt_mass_matrix,
             target_excess=self.target_excess,
@@ -408,6 +436,23 @@ class SGMCMCKernel(MCMCKernel):
             relaxation=self._relaxation_rate(),
             data_parallel=self._data_parallel,
         )
+        theta = self.state.theta
+        dense = dense_by_default(theta) if self.dense_mass is None else self.dense_mass
+        if dense and not one_kind(theta):
+            raise ValueError(
+                "dense_mass=True needs the model's unconstrained parameters in one dtype on "
+                "one device; cast the model's sites to one dtype, or pass dense_mass=False"
+            )
+        if dense and self.adapt_mass_matrix:
+            return DenseAdaptation(
+                theta,
+                warmup_steps,
+                self.step_size,
+                num_data=self.num_data,
+                temperature=self.temperature,
+                **settings,
+            )
+        return Adaptation(theta, warmup_steps, self.step_size, **settings)
 
     #: The step size scales as (mass / curvature) to this power (SGLD: 1).
     _step_exponent = 1.0
@@ -456,6 +501,8 @@ class SGMCMCKernel(MCMCKernel):
             state.adaptation is not None and state.iteration < self._warmup_steps
         )
         if adapting:
+            if state.step == 0 and isinstance(state.adaptation, DenseAdaptation):
+                state.adaptation.start(self._largest_curvature(batch, grads))
             state.adaptation.observe_gradient(grads)
         info = StepInfo(state.step, batch, self.current_step_size())
         potential = -log_joint.autograd_value
@@ -468,7 +515,13 @@ class SGMCMCKernel(MCMCKernel):
                 "grad_norm": norm(grads),
             }
         with torch.no_grad():
-            self._update(state.theta, grads, info.step_size)
+            adaptation = state.adaptation
+            if isinstance(adaptation, DenseAdaptation):
+                # the unit-mass update of z = L^{-1} theta, then theta += L (z' - z)
+                self._update(adaptation.displacement(), adaptation.whiten(grads), info.step_size)
+                adaptation.move(state.theta)
+            else:
+                self._update(state.theta, grads, info.step_size)
             watched = potential
             if adapting and self.adapt_step_size:
                 # The statistic travels with the potential: still one read per step.
@@ -482,6 +535,35 @@ class SGMCMCKernel(MCMCKernel):
                 self._refresh()
         state.step += 1
         self.info = info
+
+    def _largest_curvature(self, batch: tuple, grads: list[torch.Tensor]) -> float:
+        """The largest curvature of the minibatch potential at the chain's start: the power
+        method on Hessian-vector products, each a difference of two gradients on the same
+        batch (so free of minibatch noise), from a fixed direction."""
+        args, kwargs = batch
+        theta = self.state.theta
+        generator = torch.Generator().manual_seed(0)
+        direction = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t) for t in theta]
+        largest = max(float(t.detach().abs().max()) for t in theta)
+        shift = torch.finfo(theta[0].dtype).eps ** 0.5 * (1 + largest)
+        curvature = 0.0
+        for _ in range(CURVATURE_ITERATIONS):
+            length = float(norm(direction))
+            if not 0 < length < math.inf:
+                break
+            with torch.no_grad():
+                moved = {
+                    name: (t + (shift / length) * v).requires_grad_(True)
+                    for (name, t), v in zip(self.state.params.items(), direction)
+                }
+            with torch.enable_grad():
+                _, shifted = self.target.log_joint_and_grad(
+                    moved, args, kwargs, average=self._data_parallel
+                )
+            # H v / |v| of the potential -log p
+            direction = [(g - s) / shift for g, s in zip(grads, shifted)]
+            curvature = float(norm(direction))
+        return curvature if 0 < curvature < math.inf else 1.0
 
     def _check_potential(self, value: float | list[float], info: StepInfo) -> None:
         if isinstance(value, list):
@@ -584,6 +666,14 @@ class SGMCMCKernel(MCMCKernel):
             return
         self._chain_checked = True
         message = self._equilibrium_warning()
+        adaptation = self._adaptation
+        if isinstance(adaptation, DenseAdaptation) and adaptation.drift > DRIFT_TOLERANCE:
+            message = (f"{message}; " if message else "") + (
+                f"warm-up had not converged when it fixed the dense mass: the means of the "
+                f"halves of its last window differ by {adaptation.drift:.2g} posterior sds "
+                f"(more than {DRIFT_TOLERANCE:g}); run more warmup_steps (the last window "
+                "doubles with them)"
+            )
         if message:
             warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
         # At T = 0 the chain is an optimiser: its draws are not meant to mix.

@@ -1,0 +1,304 @@
+r"""Warm-up adaptation with a dense mass, for models with few parameters.
+
+A diagonal mass cannot sample a posterior whose parameters are strongly correlated: an
+uncentred linear regression (posteriordb's kidiq, earnings, nes, sblrc: correlations of
+0.99 and more) has directions hundreds of times softer than its coordinates, and a chain
+tuned on the stiff ones crosses the soft ones in many thousands of steps. NUTS on these
+posteriors uses Stan's ``dense_e`` metric (Pyro's ``full_mass``); so do the kernels here
+for models of at most ``DENSE_MAX_DIMENSION`` (200) unconstrained parameters, where a
+:math:`d \times d` matrix per step costs nothing beside the model's own gradient. A
+network keeps the diagonal mass of :mod:`~pyro_bdl.inference.sgmcmc.adaptation`
+unchanged (``dense_mass=False``).
+
+**The metric.** The kernels move in whitened coordinates :math:`z = L^{-1}\theta`, with
+:math:`L L^\top = M^{-1} = N \hat\Sigma` the inverse mass: the unit-mass update of each
+method runs on :math:`z`, with the gradient :math:`L^\top g`, and the position moves by
+:math:`L\,\Delta z`. So SGLD's step is :math:`\theta \leftarrow \theta + \frac{\epsilon}{N}
+M^{-1} g + \sqrt{2\epsilon T / N}\, L\xi` and SGHMC's momenta are whitened, as with the
+diagonal mass; the step size is in the units of the whitened posterior (curvature about
+one per unit of :math:`\epsilon`, whatever N and the scale of the data), as the diagonal
+adaptation's is.
+
+:math:`\hat\Sigma` is estimated at the end of each slow window from the window's
+positions *and* gradients: with :math:`C` the covariance of the positions and :math:`G`
+that of the gradients,
+
+.. math::
+
+    \hat\Sigma = C \,\#\, G^{-1} = C^{1/2} \left(C^{1/2} G C^{1/2}\right)^{-1/2} C^{1/2},
+
+the matrix geometric mean (the unique positive-definite :math:`X` with :math:`X C^{-1} X =
+G^{-1}`); nutpie's adaptation [1] uses its diagonal form, :math:`\sqrt{\mathrm{var}\,
+\theta_i / \mathrm{var}\, g_i}`. Why this and not Stan's covariance of the positions
+alone: on a Gaussian posterior of precision :math:`H` the gradient is :math:`g = -H(\theta
+- \mu)`, so :math:`G = H C H` *whatever the law of the positions*, and :math:`C \# (H C
+H)^{-1} = H^{-1}` exactly. A window's positions need not have explored the posterior:
+those of a chain still on its way in, or crawling along a soft direction, give the right
+metric, where Stan's estimate is the spread the chain happened to reach (too narrow
+along the soft directions, and it takes several doubling windows to recover). Both
+covariances are centred, so the steady force of a chain on its way in drops out, as
+does the potential's value, which minibatches cannot estimate. Minibatch gradient noise
+(covariance :math:`Q`, about :math:`(N/B - 1)` times the likelihood's Fisher
+information) adds to :math:`G` and makes :math:`\hat\Sigma` smaller than
+:math:`H^{-1}`: a conservative error (a slower chain, never an unstable one), mostly a
+common factor that the step size absorbs, since :math:`Q` has much of :math:`H`'s shape.
+At temperature :math:`T`, :math:`C` and :math:`G` are :math:`T` times and :math:`1/T`
+times theirs (the gradient is the untempered log joint's), and the estimate is still
+:math:`H^{-1}`.
+
+Each covariance is shrunk towards the previous metric (``PRIOR_COUNT`` pseudo-steps of
+:math:`T\Sigma_{\text{prev}}` and :math:`\Sigma_{\text{prev}}^{-1} / T`), as Stan shrinks
+its estimate towards a small multiple of the identity: a window of fewer steps than
+parameters, or one in which a coordinate never moved, leaves the previous metric where
+it tells nothing, instead of a singular one that would freeze a direction (Stan's
+:math:`10^{-3} I` would set a scale that depends on the data's units). The first metric
+(the start buffer and the first slow window) is the diagonal one of
+:mod:`~pyro_bdl.inference.sgmcmc.adaptation`, from the gradients of the chain's way in.
+
+**Has warm-up converged?** The positions of the last slow window are split into halves;
+if their means differ by more than ``DRIFT_TOLERANCE`` posterior sds (under the final
+metric) along any coordinate, the chain was still moving when the metric was fixed, and
+the kernel warns at the end of the run, naming the drift, with the advice to run more
+warm-up steps (which lengthens the last, doubling window: this helps, where with the
+diagonal mass it did not).
+
+**References**
+
+[1] A. Seyboldt. nutpie: mass matrix adaptation from draws and gradients
+(https://github.com/pymc-devs/nutpie), 2023.
+[2] Stan Reference Manual, "HMC algorithm parameters": windowed adaptation, ``dense_e``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pyro_bdl import distributed
+from pyro_bdl.inference.sgmcmc._buffers import FlatBuffers
+from pyro_bdl.inference.sgmcmc.adaptation import Adaptation
+
+__all__ = ["DENSE_MAX_DIMENSION", "DenseAdaptation", "dense_by_default", "one_kind"]
+
+#: The most unconstrained parameters for which the mass is dense by default.
+DENSE_MAX_DIMENSION = 200
+#: Pseudo-steps of the previous metric that each window's covariances are shrunk towards.
+PRIOR_COUNT = 5
+#: Largest difference, in posterior sds, between the means of the halves of the last
+#: slow window before the kernel says warm-up had not converged.
+DRIFT_TOLERANCE = 1.0
+#: Relative floor of the eigenvalues of a covariance: a direction the window never moved
+#: along is left to the shrinkage, not inverted.
+_EIGEN_FLOOR = 1e-12
+
+
+def one_kind(theta: list[torch.Tensor]) -> bool:
+    """Whether the parameters are of one dtype on one device (a dense mass needs it)."""
+    return len({(t.dtype, t.device) for t in theta}) == 1
+
+
+def dense_by_default(theta: list[torch.Tensor]) -> bool:
+    """Whether the mass is dense by default: at most ``DENSE_MAX_DIMENSION`` parameters,
+    of one dtype on one device."""
+    return one_kind(theta) and sum(t.numel() for t in theta) <= DENSE_MAX_DIMENSION
+
+
+class DenseAdaptation(Adaptation):
+    """The warm-up adaptation with a dense mass :math:`M^{-1} = L L^\\top` (see the module
+    docstring); the step size's adaptation is :class:`Adaptation`'s.
+
+    The kernel runs its unit-mass update on the whitened gradient :meth:`whiten` gives,
+    into the zeroed buffers of :meth:`displacement`, and :meth:`move` then adds
+    :math:`L\\,\\Delta z` to the parameters.
+
+    :param list theta: the chain's parameters, whose positions the windows read.
+    :param int num_data: N (the inverse mass is :math:`N \\hat\\Sigma`).
+    :param float temperature: T.
+    :param kwargs: as :class:`Adaptation`'s (``adapt_mass_matrix`` must be True).
+    """
+
+    def __init__(
+        self,
+        theta: list[torch.Tensor],
+        warmup_steps: int,
+        step_size,
+        *,
+        num_data: int,
+        temperature: float,
+        **kwargs,
+    ):
+        super().__init__(theta, warmup_steps, step_size, **kwargs)
+        self._theta = theta
+        self._num_data = num_data
+        self._temperature = temperature
+        like = theta[0]
+        self._whitened = FlatBuffers(theta)
+        self._delta = FlatBuffers(theta)
+        dimension = self._dimension
+        #: L, the Cholesky factor of the inverse mass (None before :meth:`start`)
+        self.factor: torch.Tensor | None = None
+        zeros = {"dtype": like.dtype, "device": like.device}
+        # the window's sums: positions, their outer products, gradients, theirs
+        self._sums = {
+            "theta": torch.zeros(dimension, **zeros),
+            "theta2": torch.zeros(dimension, dimension, **zeros),
+            "grad": torch.zeros(dimension, **zeros),
+            "cross": torch.zeros(dimension, dimension, **zeros),
+            "halves": torch.zeros(2, dimension, **zeros),
+        }
+        #: The largest drift between the halves of the last slow window, in posterior sds.
+        self.drift = 0.0
+
+    # -- the kernel's calls ----------------------------------------------------------
+
+    def start(self, curvature: float) -> None:
+        """Set the first metric and step size from the largest curvature of the minibatch
+        potential at the chain's start (the kernel measures it with a few same-batch
+        gradients): an isotropic mass under which that direction has curvature one, and
+        the step size ``start`` (or the given one, converted from the unit mass)."""
+        variance = self._num_data / curvature  # N / lambda: the inverse mass
+        like = self._sums["theta"]
+        self.factor = math.sqrt(variance) * torch.eye(
+            self._dimension, dtype=like.dtype, device=like.device
+        )
+        if self.step_size is None:
+            step_size = self._start
+        else:  # the same move as the given step with the unit mass
+            step_size = self.step_size / variance**self._exponent
+        self.step_size = min(step_size, self._max_step_size)
+        self._log_step = math.log(self.step_size)
+        if self._data_parallel:
+            self._agree()
+
+    def whiten(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:math:`L^\\top g`, shaped like the parameters (in a buffer of this object)."""
+        (out,) = self._whitened.flats
+        torch.mv(self.factor.T, _flat(grads), out=out)
+        return self._whitened.views
+
+    def displacement(self) -> list[torch.Tensor]:
+        """Zeroed buffers shaped like the parameters, for the update's :math:`\\Delta z`."""
+        self._delta.flats[0].zero_()
+        return self._delta.views
+
+    def move(self, theta: list[torch.Tensor]) -> None:
+        """:math:`\\theta \\leftarrow \\theta + L\\,\\Delta z`."""
+        (delta,) = self._delta.flats
+        step = self.factor @ delta
+        for t, piece in zip(theta, step.split([t.numel() for t in theta])):
+            t.add_(piece.view_as(t))
+
+    def observe_gradient(self, grads: list[torch.Tensor]) -> None:
+        if not self._in_slow_window:
+            return  # the metric is fixed in the start and end buffers
+        self._count += 1
+        position, gradient = _flat(self._theta).detach(), _flat(grads)
+        sums = self._sums
+        sums["theta"].add_(position)
+        sums["theta2"].addr_(position, position)
+        sums["grad"].add_(gradient)
+        sums["cross"].addr_(position, gradient)
+        if self._window == len(self._windows) - 2:  # the last slow window's halves
+            window = self._windows[self._window]
+            half = int(self._count > (window.end - window.start + 1) // 2)
+            sums["halves"][half].add_(position)
+        if self._stiff is not None:
+            self._stiff.observe(self.whiten(grads), None)
+
+    @property
+    def inverse_mass_matrix(self) -> torch.Tensor:
+        """:math:`M^{-1} = L L^\\top`, the dense inverse mass (:math:`d \\times d`)."""
+        return self.factor @ self.factor.T
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _end_slow_window(self) -> None:
+        """The dense metric from the window's positions and gradients."""
+        count, sums = self._count, self._sums
+        temperature = self._temperature
+        previous = self.inverse_mass_matrix / self._num_data  # Sigma so far
+        weight = PRIOR_COUNT / (count + PRIOR_COUNT)
+        eye = torch.eye(self._dimension, dtype=previous.dtype, device=previous.device)
+        # C and B = Cov(theta, g), each shrunk towards its value in equilibrium under the
+        # previous metric: T Sigma and -T I (Stein's identity)
+        positions = _covariance(sums["theta"], sums["theta"], sums["theta2"], count)
+        positions = (1 - weight) * positions + weight * temperature * previous
+        cross = _covariance(sums["theta"], sums["grad"], sums["cross"], count)
+        cross = (1 - weight) * cross - weight * temperature * eye
+        # the covariance of the gradients that the positions explain, B^T C^{-1} B
+        gradients = cross.T @ torch.linalg.solve(positions, cross)
+        sigma = _geometric_mean(positions, _inverse((gradients + gradients.T) / 2))
+        if self._window == len(self._windows) - 2:
+            self.drift = self._drift(sigma * temperature)
+        self.factor = torch.linalg.cholesky(sigma * self._num_data)
+        if self._data_parallel:
+            distributed.broadcast_([self.factor])
+        for value in sums.values():
+            value.zero_()
+        self._count = 0
+
+    def _drift(self, covariance: torch.Tensor) -> float:
+        """The largest difference between the means of the halves of the last slow window
+        in sds of ``covariance``."""
+        count = self._count
+        first, second = count // 2, count - count // 2
+        if first == 0 or second == 0:
+            return 0.0
+        halves = self._sums["halves"]
+        difference = halves[1] / second - halves[0] / first
+        return float((difference.abs() / covariance.diagonal().sqrt()).max())
+
+    def _agree(self) -> None:
+        super()._agree()
+        if self.factor is not None:
+            distributed.broadcast_([self.factor])
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors, numbers = super().state()
+        tensors.update({f"dense/{key}": value for key, value in self._sums.items()})
+        if self.factor is not None:
+            tensors["dense/factor"] = self.factor
+        numbers["dense"] = {"drift": self.drift}
+        return tensors, numbers
+
+    def load_state(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
+        super().load_state(tensors, numbers)
+        for key, value in self._sums.items():
+            value.copy_(tensors[f"dense/{key}"])
+        factor = tensors.get("dense/factor")
+        self.factor = None if factor is None else factor.to(self._sums["theta"]).clone()
+        self.drift = numbers["dense"]["drift"]
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _covariance(first: torch.Tensor, second: torch.Tensor, outer: torch.Tensor, count: int):
+    """The covariance of two vectors from their sums and the sum of their outer products."""
+    return outer / count - torch.outer(first / count, second / count)
+
+
+def _power(matrix: torch.Tensor, exponent: float) -> torch.Tensor:
+    """A symmetric positive semi-definite matrix to a power, its eigenvalues floored at
+    ``_EIGEN_FLOOR`` times the largest."""
+    values, vectors = torch.linalg.eigh(matrix)
+    values = values.clamp_min(_EIGEN_FLOOR * values.max().clamp_min(0)).clamp_min(
+        torch.finfo(values.dtype).tiny
+    )
+    return (vectors * values.pow(exponent)) @ vectors.T
+
+
+def _inverse(matrix: torch.Tensor) -> torch.Tensor:
+    return _power(matrix, -1.0)
+
+
+def _geometric_mean(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:math:`A \\# B = A^{1/2} (A^{-1/2} B A^{-1/2})^{1/2} A^{1/2}`."""
+    root, inverse_root = _power(a, 0.5), _power(a, -0.5)
+    middle = _power(inverse_root @ b @ inverse_root, 0.5)
+    mean = root @ middle @ root
+    return (mean + mean.T) / 2
