@@ -1,5 +1,10 @@
 r"""Warm-up adaptation of the SGMCMC kernels: a diagonal mass and a step size.
 
+This is the adaptation of networks (more than ``DENSE_MAX_DIMENSION``, 200, parameters,
+or ``dense_mass=False``); a model with fewer parameters gets a dense mass estimated from
+the windows' positions and gradients, with the same step-size adaptation
+(:mod:`~pyro_bdl.inference.sgmcmc.dense`).
+
 During ``warmup_steps`` a kernel built with ``adapt_mass_matrix=True`` and / or
 ``adapt_step_size=True`` (Pyro's names and defaults) learns
 

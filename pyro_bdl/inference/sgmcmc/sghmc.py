@@ -63,7 +63,10 @@ class SGHMC(SGMCMCKernel):
 
     SGHMC with mass :math:`\sigma^2 D` and friction :math:`\alpha D` (the same damping
     rate :math:`\alpha/\sigma^2` in every direction), fixed after warm-up. See
-    :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional.
+    :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional. A
+    model of at most 200 parameters gets a dense mass :math:`(L L^\top)^{-1}` instead
+    (:mod:`~pyro_bdl.inference.sgmcmc.dense`): the same step with :math:`L` for
+    :math:`D^{-1/2}`.
     ``step_size * friction / mass`` must be below 2 (the momentum's factor per step,
     :math:`1 - \epsilon\alpha/\sigma^2`, would otherwise reach -1).
 

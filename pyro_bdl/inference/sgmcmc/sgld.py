@@ -56,7 +56,11 @@ class SGLD(SGMCMCKernel):
 
     fixed after warm-up, so its stationary law is still the posterior's (a constant
     preconditioner needs no correction term). See
-    :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional.
+    :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional. A
+    model of at most 200 parameters gets a dense preconditioner :math:`M^{-1} = L
+    L^\top` instead, from the positions and gradients of the warm-up's windows (see
+    :mod:`~pyro_bdl.inference.sgmcmc.dense`), and the step is :math:`\theta \leftarrow
+    \theta + \frac{\epsilon}{N} M^{-1} g + \sqrt{2\epsilon T/N}\, L \xi`.
 
     **References**
 
