@@ -104,8 +104,10 @@ __all__ = ["DENSE_MAX_DIMENSION", "DenseAdaptation", "dense_by_default", "one_ki
 
 #: The most unconstrained parameters for which the mass is dense by default.
 DENSE_MAX_DIMENSION = 200
+#: Steps between the metric's refreshes in the start buffer.
+START_BLOCK = 10
 #: Pseudo-steps of the previous metric that each window's covariances are shrunk towards.
-PRIOR_COUNT = 5
+PRIOR_COUNT = 1
 #: Largest difference, in posterior sds, between the means of the halves of the last
 #: slow window before the kernel says warm-up had not converged.
 DRIFT_TOLERANCE = 3.0
@@ -211,8 +213,8 @@ class DenseAdaptation(Adaptation):
             t.add_(piece.view_as(t))
 
     def observe_gradient(self, grads: list[torch.Tensor]) -> None:
-        if not self._in_slow_window:
-            return  # the metric is fixed in the start and end buffers
+        if self._window >= len(self._windows) - 1:
+            return  # the metric is fixed in the end buffer
         self._count += 1
         position, gradient = _flat(self._theta).detach(), _flat(grads)
         sums = self._sums
@@ -224,8 +226,18 @@ class DenseAdaptation(Adaptation):
             window = self._windows[self._window]
             half = int(self._count > (window.end - window.start + 1) // 2)
             sums["halves"][half].add_(position)
-        if self._stiff is not None:
+        if self._window == 0 and self._count == START_BLOCK:
+            self._refresh_metric()  # on the way in, the curvature changes as the chain moves
+            self._zero()
+        if self._stiff is not None and self._in_slow_window:
             self._stiff.observe(self.whiten(grads), None)
+
+    def end_step(self, iteration: int) -> bool:
+        window = self._window
+        more = super().end_step(iteration)
+        if self._window != window:
+            self._zero()  # each window's sums are its own
+        return more
 
     @property
     def inverse_mass_matrix(self) -> torch.Tensor:
@@ -235,7 +247,19 @@ class DenseAdaptation(Adaptation):
     # -- internals ---------------------------------------------------------------------
 
     def _end_slow_window(self) -> None:
-        """The dense metric from the window's positions and gradients."""
+        if self._window == len(self._windows) - 2:
+            self.drift = self._drift(self._refresh_metric() * self._temperature)
+        else:
+            self._refresh_metric()
+
+    def _zero(self) -> None:
+        for value in self._sums.values():
+            value.zero_()
+        self._count = 0
+
+    def _refresh_metric(self) -> torch.Tensor:
+        r"""The dense metric from the positions and gradients since the last refresh; returns
+        :math:`\hat\Sigma`."""
         count, sums = self._count, self._sums
         temperature = self._temperature
         previous = self.inverse_mass_matrix / self._num_data  # Sigma so far
@@ -250,14 +274,10 @@ class DenseAdaptation(Adaptation):
         # the covariance of the gradients that the positions explain, B^T C^{-1} B
         gradients = cross.T @ torch.linalg.solve(positions, cross)
         sigma = _geometric_mean(positions, _inverse((gradients + gradients.T) / 2))
-        if self._window == len(self._windows) - 2:
-            self.drift = self._drift(sigma * temperature)
         self.factor = torch.linalg.cholesky(sigma * self._num_data)
         if self._data_parallel:
             distributed.broadcast_([self.factor])
-        for value in sums.values():
-            value.zero_()
-        self._count = 0
+        return sigma
 
     def _drift(self, covariance: torch.Tensor) -> float:
         """The largest difference between the means of the halves of the last slow window
