@@ -60,7 +60,7 @@ from pyro_bdl.inference.sgmcmc.dense import (
     DRIFT_TOLERANCE,
     DenseAdaptation,
     dense_by_default,
-    one_kind,
+    one_device,
 )
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise, norm
 from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start, diagnose
@@ -101,7 +101,7 @@ class SGMCMCKernel(MCMCKernel):
         ``full_mass``) from the positions and gradients of the warm-up's windows (see
         :mod:`~pyro_bdl.inference.sgmcmc.dense`) instead of the diagonal one; by default
         (None) dense for models of at most ``DENSE_MAX_DIMENSION`` (200) unconstrained
-        parameters of one dtype, where strongly correlated posteriors are common and a
+        parameters, where strongly correlated posteriors are common and a
         :math:`d \\times d` matrix costs nothing, diagonal beyond (networks).
     :param float target_excess: the relative excess of the stationary position
         variance, from discretisation and gradient noise, that the step size is tuned
@@ -438,10 +438,10 @@ class SGMCMCKernel(MCMCKernel):
         )
         theta = self.state.theta
         dense = dense_by_default(theta) if self.dense_mass is None else self.dense_mass
-        if dense and not one_kind(theta):
+        if dense and not one_device(theta):
             raise ValueError(
-                "dense_mass=True needs the model's unconstrained parameters in one dtype on "
-                "one device; cast the model's sites to one dtype, or pass dense_mass=False"
+                "dense_mass=True needs the model's unconstrained parameters on one device; "
+                "move the model's sites to one device, or pass dense_mass=False"
             )
         if dense and self.adapt_mass_matrix:
             return DenseAdaptation(

@@ -92,18 +92,22 @@ after warm-up is the kept draws' own check (split R-hat and ESS,
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from pyro_bdl import distributed
-from pyro_bdl.inference.sgmcmc._buffers import FlatBuffers
 from pyro_bdl.inference.sgmcmc.adaptation import Adaptation
 
-__all__ = ["DENSE_MAX_DIMENSION", "DenseAdaptation", "dense_by_default", "one_kind"]
+__all__ = ["DENSE_MAX_DIMENSION", "DenseAdaptation", "dense_by_default", "one_device"]
 
 #: The most unconstrained parameters for which the mass is dense by default.
 DENSE_MAX_DIMENSION = 200
+#: Largest factor by which one refresh raises the metric (the inverse mass) along a
+#: direction, and lowers it: on the way in, a window's estimate is of the curvature
+#: where the chain went.
+MAX_GROWTH, MAX_SHRINK = 100.0, 10.0
 #: Steps between the metric's refreshes in the start buffer.
 START_BLOCK = 10
 #: Pseudo-steps of the previous metric that each window's covariances are shrunk towards.
@@ -116,15 +120,15 @@ DRIFT_TOLERANCE = 3.0
 _EIGEN_FLOOR = 1e-12
 
 
-def one_kind(theta: list[torch.Tensor]) -> bool:
-    """Whether the parameters are of one dtype on one device (a dense mass needs it)."""
-    return len({(t.dtype, t.device) for t in theta}) == 1
+def one_device(theta: list[torch.Tensor]) -> bool:
+    """Whether the parameters are on one device (a dense mass needs it)."""
+    return len({t.device for t in theta}) == 1
 
 
 def dense_by_default(theta: list[torch.Tensor]) -> bool:
     """Whether the mass is dense by default: at most ``DENSE_MAX_DIMENSION`` parameters,
-    of one dtype on one device."""
-    return one_kind(theta) and sum(t.numel() for t in theta) <= DENSE_MAX_DIMENSION
+    on one device."""
+    return one_device(theta) and sum(t.numel() for t in theta) <= DENSE_MAX_DIMENSION
 
 
 class DenseAdaptation(Adaptation):
@@ -155,13 +159,13 @@ class DenseAdaptation(Adaptation):
         self._theta = theta
         self._num_data = num_data
         self._temperature = temperature
-        like = theta[0]
-        self._whitened = FlatBuffers(theta)
-        self._delta = FlatBuffers(theta)
+        self._delta = [torch.zeros_like(t) for t in theta]
         dimension = self._dimension
         #: L, the Cholesky factor of the inverse mass (None before :meth:`start`)
         self.factor: torch.Tensor | None = None
-        zeros = {"dtype": like.dtype, "device": like.device}
+        # the metric is kept in the widest of the parameters' dtypes
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in theta])
+        zeros = {"dtype": dtype, "device": theta[0].device}
         # the window's sums: positions, their outer products, gradients, theirs
         self._sums = {
             "theta": torch.zeros(dimension, **zeros),
@@ -172,6 +176,7 @@ class DenseAdaptation(Adaptation):
         }
         #: The largest drift between the halves of the last slow window, in posterior sds.
         self.drift = 0.0
+        self._refreshed = False  # the metric changed in the step in progress
 
     # -- the kernel's calls ----------------------------------------------------------
 
@@ -195,28 +200,23 @@ class DenseAdaptation(Adaptation):
             self._agree()
 
     def whiten(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """:math:`L^\\top g`, shaped like the parameters (in a buffer of this object)."""
-        (out,) = self._whitened.flats
-        torch.mv(self.factor.T, _flat(grads), out=out)
-        return self._whitened.views
+        """:math:`L^\\top g`, shaped like the parameters."""
+        return self._unflat(self.factor.T @ self._flat(grads))
 
     def displacement(self) -> list[torch.Tensor]:
         """Zeroed buffers shaped like the parameters, for the update's :math:`\\Delta z`."""
-        self._delta.flats[0].zero_()
-        return self._delta.views
+        torch._foreach_zero_(self._delta)
+        return self._delta
 
     def move(self, theta: list[torch.Tensor]) -> None:
         """:math:`\\theta \\leftarrow \\theta + L\\,\\Delta z`."""
-        (delta,) = self._delta.flats
-        step = self.factor @ delta
-        for t, piece in zip(theta, step.split([t.numel() for t in theta])):
-            t.add_(piece.view_as(t))
+        torch._foreach_add_(theta, self._unflat(self.factor @ self._flat(self._delta)))
 
     def observe_gradient(self, grads: list[torch.Tensor]) -> None:
         if self._window >= len(self._windows) - 1:
             return  # the metric is fixed in the end buffer
         self._count += 1
-        position, gradient = _flat(self._theta).detach(), _flat(grads)
+        position, gradient = self._flat(self._theta).detach(), self._flat(grads)
         sums = self._sums
         sums["theta"].add_(position)
         sums["theta2"].addr_(position, position)
@@ -229,15 +229,19 @@ class DenseAdaptation(Adaptation):
         if self._window == 0 and self._count == START_BLOCK:
             self._refresh_metric()  # on the way in, the curvature changes as the chain moves
             self._zero()
+            self._refreshed = True
         if self._stiff is not None and self._in_slow_window:
             self._stiff.observe(self.whiten(grads), None)
 
     def end_step(self, iteration: int) -> bool:
-        window = self._window
+        window, refreshed = self._window, self._refreshed
         more = super().end_step(iteration)
         if self._window != window:
             self._zero()  # each window's sums are its own
-        return more
+        self._refreshed = False
+        # fresh momenta after a change of metric in the start buffer too: whitened momenta
+        # kept would move the chain as far as the metric grew
+        return more or refreshed
 
     @property
     def inverse_mass_matrix(self) -> torch.Tensor:
@@ -245,6 +249,15 @@ class DenseAdaptation(Adaptation):
         return self.factor @ self.factor.T
 
     # -- internals ---------------------------------------------------------------------
+
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One vector in the metric's dtype."""
+        return torch.cat([t.reshape(-1) for t in tensors]).to(self._sums["theta"].dtype)
+
+    def _unflat(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A vector back to tensors shaped (and typed) like the parameters."""
+        pieces = flat.split([t.numel() for t in self._theta])
+        return [piece.view_as(t).to(t.dtype) for piece, t in zip(pieces, self._theta)]
 
     def _end_slow_window(self) -> None:
         if self._window == len(self._windows) - 2:
@@ -274,7 +287,17 @@ class DenseAdaptation(Adaptation):
         # the covariance of the gradients that the positions explain, B^T C^{-1} B
         gradients = cross.T @ torch.linalg.solve(positions, cross)
         sigma = _geometric_mean(positions, _inverse((gradients + gradients.T) / 2))
-        self.factor = torch.linalg.cholesky(sigma * self._num_data)
+        # at most MAX_GROWTH times the previous metric, and MAX_SHRINK times less, along
+        # any direction: a window's estimate is of the curvature where it went
+        root, inverse_root = _power(previous, 0.5), _power(previous, -0.5)
+        values, vectors = torch.linalg.eigh(inverse_root @ sigma @ inverse_root)
+        if not bool(torch.isfinite(values).all()):
+            return previous  # keep the metric
+        values = values.clamp(1 / MAX_SHRINK, MAX_GROWTH)
+        relative = (vectors * values) @ vectors.T
+        sigma = root @ relative @ root
+        # a square root of N Sigma (the symmetric one: defined whatever rounding does)
+        self.factor = root @ (vectors * values.sqrt()) @ vectors.T * math.sqrt(self._num_data)
         if self._data_parallel:
             distributed.broadcast_([self.factor])
         return sigma
@@ -312,10 +335,6 @@ class DenseAdaptation(Adaptation):
         factor = tensors.get("dense/factor")
         self.factor = None if factor is None else factor.to(self._sums["theta"]).clone()
         self.drift = numbers["dense"]["drift"]
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _covariance(first: torch.Tensor, second: torch.Tensor, outer: torch.Tensor, count: int):
