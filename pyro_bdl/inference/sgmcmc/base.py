@@ -545,7 +545,8 @@ class SGMCMCKernel(MCMCKernel):
         generator = torch.Generator().manual_seed(0)
         direction = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t) for t in theta]
         largest = max(float(t.detach().abs().max()) for t in theta)
-        shift = torch.finfo(theta[0].dtype).eps ** 0.5 * (1 + largest)
+        # the coarsest dtype's precision sets the difference's step
+        shift = max(torch.finfo(t.dtype).eps for t in theta) ** 0.5 * (1 + largest)
         curvature = 0.0
         for _ in range(CURVATURE_ITERATIONS):
             length = float(norm(direction))

@@ -105,9 +105,9 @@ __all__ = ["DENSE_MAX_DIMENSION", "DenseAdaptation", "dense_by_default", "one_de
 #: The most unconstrained parameters for which the mass is dense by default.
 DENSE_MAX_DIMENSION = 200
 #: Largest factor by which one refresh raises the metric (the inverse mass) along a
-#: direction, and lowers it: on the way in, a window's estimate is of the curvature
-#: where the chain went.
-MAX_GROWTH, MAX_SHRINK = 100.0, 10.0
+#: direction: on the way in, a window's estimate is of the curvature where the chain
+#: went. (It may fall by any factor: a smaller metric is only slower, never unstable.)
+MAX_GROWTH = 100.0
 #: Steps between the metric's refreshes in the start buffer.
 START_BLOCK = 10
 #: Pseudo-steps of the previous metric that each window's covariances are shrunk towards.
@@ -287,13 +287,12 @@ class DenseAdaptation(Adaptation):
         # the covariance of the gradients that the positions explain, B^T C^{-1} B
         gradients = cross.T @ torch.linalg.solve(positions, cross)
         sigma = _geometric_mean(positions, _inverse((gradients + gradients.T) / 2))
-        # at most MAX_GROWTH times the previous metric, and MAX_SHRINK times less, along
-        # any direction: a window's estimate is of the curvature where it went
+        # at most MAX_GROWTH times the previous metric along any direction
         root, inverse_root = _power(previous, 0.5), _power(previous, -0.5)
         values, vectors = torch.linalg.eigh(inverse_root @ sigma @ inverse_root)
         if not bool(torch.isfinite(values).all()):
             return previous  # keep the metric
-        values = values.clamp(1 / MAX_SHRINK, MAX_GROWTH)
+        values = values.clamp(max=MAX_GROWTH)
         relative = (vectors * values) @ vectors.T
         sigma = root @ relative @ root
         # a square root of N Sigma (the symmetric one: defined whatever rounding does)
