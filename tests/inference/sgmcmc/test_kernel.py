@@ -13,6 +13,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import SGHMC, SGLD, SGNHT, DivergenceError, RobbinsMonro
+from pyro_bdl.inference.sgmcmc.base import CURVATURE_ITERATIONS
 from pyro_bdl.inference.sgmcmc.chains import Chains
 
 KERNELS = [SGLD, SGHMC, SGNHT]
@@ -55,10 +56,14 @@ def test_each_step_takes_the_next_minibatch_cycling_through_epochs(kernel_class)
     batches = list(x[:, 0].split(6))
     # setup traces the first batch twice (the model's check, and the network's outputs on
     # it, the probe batch the convergence check follows), then 7 steps take batches
-    # 0,1,2,3,0,1,2, each of the last 3 followed by its kept draw's outputs on the probe.
+    # 0,1,2,3,0,1,2, each of the last 3 followed by its kept draw's outputs on the probe;
+    # the first step measures the start's curvature for the dense mass of this small
+    # model on its own batch (dense.py).
     probe = batches[0]
-    expected = [probe, probe, *batches, batches[0], probe, batches[1], probe, batches[2], probe]
-    assert len(seen) == len(expected) == 12
+    curvature = [batches[0]] * CURVATURE_ITERATIONS
+    expected = [probe, probe, batches[0], *curvature, *batches[1:], batches[0], probe]
+    expected += [batches[1], probe, batches[2], probe]
+    assert len(seen) == len(expected) == 12 + CURVATURE_ITERATIONS
     for got, want in zip(seen, expected):
         assert torch.equal(got, want)
     assert kernel.num_data == NUM_DATA
