@@ -108,8 +108,6 @@ DENSE_MAX_DIMENSION = 200
 #: direction: on the way in, a window's estimate is of the curvature where the chain
 #: went. (It may fall by any factor: a smaller metric is only slower, never unstable.)
 MAX_GROWTH = 100.0
-#: How many times the inverse of the gradients' second moment the metric may be.
-FISHER_BOUND = 10.0
 #: Steps between the metric's refreshes in the start buffer.
 START_BLOCK = 10
 #: Pseudo-steps of the previous metric that each window's covariances are shrunk towards.
@@ -173,7 +171,6 @@ class DenseAdaptation(Adaptation):
             "theta": torch.zeros(dimension, **zeros),
             "theta2": torch.zeros(dimension, dimension, **zeros),
             "grad": torch.zeros(dimension, **zeros),
-            "grad2": torch.zeros(dimension, dimension, **zeros),
             "cross": torch.zeros(dimension, dimension, **zeros),
             "halves": torch.zeros(2, dimension, **zeros),
         }
@@ -224,7 +221,6 @@ class DenseAdaptation(Adaptation):
         sums["theta"].add_(position)
         sums["theta2"].addr_(position, position)
         sums["grad"].add_(gradient)
-        sums["grad2"].addr_(gradient, gradient)
         sums["cross"].addr_(position, gradient)
         if self._window == len(self._windows) - 2:  # the last slow window's halves
             window = self._windows[self._window]
@@ -291,14 +287,6 @@ class DenseAdaptation(Adaptation):
         # the covariance of the gradients that the positions explain, B^T C^{-1} B
         gradients = cross.T @ torch.linalg.solve(positions, cross)
         sigma = _geometric_mean(positions, _inverse((gradients + gradients.T) / 2))
-        # At most FISHER_BOUND times the inverse of the gradients' second moment (the
-        # Fisher identity's curvature): where the potential is linear (the tail of a scale
-        # parameter, eight schools' log tau) the positions explain no gradient, and the
-        # estimate alone would grow without bound and be unstable back in the bulk.
-        fisher = sums["grad2"] / (count * temperature * FISHER_BOUND)
-        root = _power(sigma, 0.5)
-        values, vectors = torch.linalg.eigh(root @ fisher @ root)
-        sigma = root @ ((vectors / values.clamp_min(1.0)) @ vectors.T) @ root
         # at most MAX_GROWTH times the previous metric along any direction
         root, inverse_root = _power(previous, 0.5), _power(previous, -0.5)
         values, vectors = torch.linalg.eigh(inverse_root @ sigma @ inverse_root)
