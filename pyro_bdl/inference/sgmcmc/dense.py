@@ -108,6 +108,8 @@ DENSE_MAX_DIMENSION = 200
 #: direction: on the way in, a window's estimate is of the curvature where the chain
 #: went. (It may fall by any factor: a smaller metric is only slower, never unstable.)
 MAX_GROWTH = 100.0
+#: The same for the start buffer's refreshes, each from START_BLOCK steps only.
+MAX_START_GROWTH = 10.0
 #: Steps between the metric's refreshes in the start buffer.
 START_BLOCK = 10
 #: Pseudo-steps of the previous metric that each window's covariances are shrunk towards.
@@ -287,12 +289,13 @@ class DenseAdaptation(Adaptation):
         # the covariance of the gradients that the positions explain, B^T C^{-1} B
         gradients = cross.T @ torch.linalg.solve(positions, cross)
         sigma = _geometric_mean(positions, _inverse((gradients + gradients.T) / 2))
-        # at most MAX_GROWTH times the previous metric along any direction
+        # at most MAX_GROWTH (MAX_START_GROWTH) times the previous metric along any
+        # direction
         root, inverse_root = _power(previous, 0.5), _power(previous, -0.5)
         values, vectors = torch.linalg.eigh(inverse_root @ sigma @ inverse_root)
         if not bool(torch.isfinite(values).all()):
             return previous  # keep the metric
-        values = values.clamp(max=MAX_GROWTH)
+        values = values.clamp(max=MAX_START_GROWTH if self._window == 0 else MAX_GROWTH)
         relative = (vectors * values) @ vectors.T
         sigma = root @ relative @ root
         # a square root of N Sigma (the symmetric one: defined whatever rounding does)
