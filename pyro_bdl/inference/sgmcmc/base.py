@@ -518,7 +518,8 @@ class SGMCMCKernel(MCMCKernel):
             adaptation = state.adaptation
             if isinstance(adaptation, DenseAdaptation):
                 # the unit-mass update of z = L^{-1} theta, then theta += L (z' - z)
-                self._update(adaptation.displacement(), adaptation.whiten(grads), info.step_size)
+                whitened = adaptation.whiten(grads, clip=adapting)
+                self._update(adaptation.displacement(), whitened, info.step_size)
                 adaptation.move(state.theta)
             else:
                 self._update(state.theta, grads, info.step_size)

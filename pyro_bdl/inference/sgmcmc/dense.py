@@ -110,6 +110,9 @@ DENSE_MAX_DIMENSION = 200
 MAX_GROWTH = 100.0
 #: The same for the start buffer's refreshes, each from START_BLOCK steps only.
 MAX_START_GROWTH = 10.0
+#: A warm-up step's whitened gradient is at most this many times its root mean square in
+#: equilibrium.
+WARMUP_CLIP = 10.0
 #: Steps between the metric's refreshes in the start buffer.
 START_BLOCK = 10
 #: Pseudo-steps of the previous metric that each window's covariances are shrunk towards.
@@ -201,9 +204,18 @@ class DenseAdaptation(Adaptation):
         if self._data_parallel:
             self._agree()
 
-    def whiten(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """:math:`L^\\top g`, shaped like the parameters."""
-        return self._unflat(self.factor.T @ self._flat(grads))
+    def whiten(self, grads: list[torch.Tensor], clip: bool = False) -> list[torch.Tensor]:
+        """:math:`L^\\top g`, shaped like the parameters; with ``clip`` (warm-up steps) its
+        norm at most ``WARMUP_CLIP`` times its root mean square in equilibrium,
+        :math:`\\sqrt{N T d}`: warm-up need not keep the target, and a chain that meets a
+        region far stiffer than its metric (eight schools' log tau, where the likelihood's
+        curvature grows as tau squared) is thrown a hundred sds into a tail, where it
+        spends the window and corrupts the metric."""
+        whitened = self.factor.T @ self._flat(grads)
+        if clip:
+            limit = WARMUP_CLIP * math.sqrt(self._num_data * self._temperature * self._dimension)
+            whitened = whitened * (limit / whitened.norm()).clamp(max=1.0)
+        return self._unflat(whitened)
 
     def displacement(self) -> list[torch.Tensor]:
         """Zeroed buffers shaped like the parameters, for the update's :math:`\\Delta z`."""
