@@ -205,14 +205,15 @@ class DenseAdaptation(Adaptation):
             self._agree()
 
     def whiten(self, grads: list[torch.Tensor], clip: bool = False) -> list[torch.Tensor]:
-        """:math:`L^\\top g`, shaped like the parameters; with ``clip`` (warm-up steps) its
+        """:math:`L^\\top g`, shaped like the parameters; with ``clip`` (warm-up steps after
+        the start buffer, where the chain is on its way in and the gradients are large) its
         norm at most ``WARMUP_CLIP`` times its root mean square in equilibrium,
         :math:`\\sqrt{N T d}`: warm-up need not keep the target, and a chain that meets a
         region far stiffer than its metric (eight schools' log tau, where the likelihood's
         curvature grows as tau squared) is thrown a hundred sds into a tail, where it
         spends the window and corrupts the metric."""
         whitened = self.factor.T @ self._flat(grads)
-        if clip:
+        if clip and self._window > 0:  # the start buffer's chain is on its way in
             limit = WARMUP_CLIP * math.sqrt(self._num_data * self._temperature * self._dimension)
             whitened = whitened * (limit / whitened.norm()).clamp(max=1.0)
         return self._unflat(whitened)
