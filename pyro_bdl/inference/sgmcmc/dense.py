@@ -33,8 +33,10 @@ the step size ``2 * target_excess`` is stable. A ``step_size`` given is for the 
 as Pyro's is for its first (identity) mass: adaptation starts from the step that moves
 the same under the first metric.
 
-**The windows' metric.** :math:`\hat\Sigma` is estimated at the end of each slow window
-from the window's positions and gradients: with :math:`C` the covariance of the
+**The windows' metric.** :math:`\hat\Sigma` is estimated every ``START_BLOCK`` (10) steps
+of the start buffer (on the way in the curvature changes as the chain moves: kidiq's
+sigma starts at 0.05 against a posterior of 18) and at the end of each slow window, from
+the positions and gradients since the last estimate: with :math:`C` the covariance of the
 positions and :math:`B = \mathrm{Cov}(\theta, g)` their cross-covariance with the
 gradients,
 
@@ -71,7 +73,21 @@ previous metric (``PRIOR_COUNT`` pseudo-steps of :math:`T \Sigma_{\text{prev}}` 
 along a direction the window did not move, or in a window of fewer steps than
 parameters, the estimate stays the previous metric instead of a singular one that
 would freeze the direction; and unlike Stan's :math:`10^{-3} I`, the shrinkage sets no
-scale that depends on the data's units.
+scale that depends on the data's units. One pseudo-step, not Stan's five: along a soft
+direction a window's estimate can exceed the previous metric only by about the
+pseudo-steps' share, and with five the metric of posteriordb's kidiq grew too slowly to
+reach its posterior in 500 warm-up steps.
+
+**Guards.** What the estimate cannot see is a region the window did not visit. An
+estimate may raise the metric at most ``MAX_GROWTH`` (100) times along any direction
+(``MAX_START_GROWTH``, 10, for the start buffer's 10-step estimates; a larger first step
+diverged on posteriordb's arma11), and lower it by any factor (a smaller metric is only
+slower). And a warm-up step after the start buffer clips its whitened gradient at
+``WARMUP_CLIP`` (10) times its root mean square in equilibrium: a chain that meets a
+region far stiffer than its metric (eight schools' log tau, whose curvature grows as
+tau squared) is otherwise thrown a hundred sds into a tail, where it spends the window
+and the window's estimate is of the tail. Warm-up need not leave the target invariant;
+the kept draws' steps are never clipped.
 
 **Has warm-up converged?** The positions of the last slow window are split into halves;
 if their means differ by more than ``DRIFT_TOLERANCE`` (3) posterior sds (under the final
