@@ -19,17 +19,14 @@ inside both.
 import math
 import os
 import time
-import warnings
 
 import numpy as np
-import pyro
 import pytest
 import torch
-from pyro.infer import MCMC
 
 from pyro_bdl.diagnostics import ess_bulk
 from pyro_bdl.inference import SGHMC, SGLD, SGNHT
-from tests.inference.sgmcmc.reference_models import CASES
+from tests.inference.sgmcmc.reference_models import CASES, sample
 
 # the NUTS references are float64, and tests/pyro_models.py builds in the default dtype
 pytestmark = pytest.mark.usefixtures("float64")
@@ -87,16 +84,6 @@ RUNS = {
 }
 
 
-def _sample(case, kernel, num_samples, warmup_steps, seed=0):
-    pyro.set_rng_seed(seed)
-    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # judged in their own tests
-        warnings.simplefilter("ignore", UserWarning)  # the Gaussian samples its "prior"
-        mcmc.run(*case.args)
-    return mcmc.get_samples()
-
-
 def _assert_matches_nuts(case, samples) -> dict:
     """Every compared coordinate within the tolerances; the worst figures, for the table."""
     reference = case.reference()
@@ -151,7 +138,7 @@ def test_defaults_match_nuts(kernel_name, model_name, minibatch, report):
     warmup_steps, num_samples = RUNS[kernel_name, model_name, minibatch]
     kernel = KERNELS[kernel_name](case.model, **case.kernel_options)  # no step size
     started = time.perf_counter()
-    samples = _sample(case, kernel, num_samples, warmup_steps)
+    samples = sample(case, kernel, num_samples, warmup_steps)
     worst = _assert_matches_nuts(case, samples)
     report(
         "sgmcmc_defaults_vs_nuts",
@@ -179,7 +166,7 @@ def test_sgld_stays_in_the_posterior_of_eight_schools_at_another_seed():
     # momentum does not jump (seeds 0-5 pass). A working chain's 500 draws (ESS of tens)
     # are within 3 NUTS sds of its mean; this one is not.
     case = CASES["eight_schools"]()
-    samples = _sample(case, SGLD(case.model, **case.kernel_options), 500, 1000, seed=4)
+    samples = sample(case, SGLD(case.model, **case.kernel_options), 500, 1000, seed=4)
     reference = case.reference()["tau"]
     offset = (samples["tau"].log().mean() - reference["mean"][0]) / reference["sd"][0]
     assert abs(offset) < 3, offset

@@ -7,16 +7,6 @@ goes in the next release.
 there as before.
 """
 
-import sys
-import warnings
+from pyro_bdl._renamed import renamed_module
 
-import pyro_bdl.inference.laplace.laplace_lora as _renamed
-
-warnings.warn(
-    "pyro_bdl.inference.laplace.lora is renamed "
-    "pyro_bdl.inference.laplace.laplace_lora; import that "
-    "instead (this alias goes in the next release)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-sys.modules[__name__] = _renamed
+renamed_module(__name__, "pyro_bdl.inference.laplace.laplace_lora")

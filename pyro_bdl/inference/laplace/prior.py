@@ -6,16 +6,6 @@ were about priors; this one holds :class:`LaplacePrior`); it goes in the next re
 there as before.
 """
 
-import sys
-import warnings
+from pyro_bdl._renamed import renamed_module
 
-import pyro_bdl.inference.laplace.laplace_prior as _renamed
-
-warnings.warn(
-    "pyro_bdl.inference.laplace.prior is renamed "
-    "pyro_bdl.inference.laplace.laplace_prior; import that "
-    "instead (this alias goes in the next release)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-sys.modules[__name__] = _renamed
+renamed_module(__name__, "pyro_bdl.inference.laplace.laplace_prior")

@@ -6,16 +6,6 @@ named the SGMCMC chain state); it goes in the next release.
 there as before.
 """
 
-import sys
-import warnings
+from pyro_bdl._renamed import renamed_module
 
-import pyro_bdl.inference.laplace.serialization as _renamed
-
-warnings.warn(
-    "pyro_bdl.inference.laplace.state is renamed "
-    "pyro_bdl.inference.laplace.serialization; import that "
-    "instead (this alias goes in the next release)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-sys.modules[__name__] = _renamed
+renamed_module(__name__, "pyro_bdl.inference.laplace.serialization")

@@ -51,7 +51,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from pyro_bdl import distributed
 from pyro_bdl._checks import function, instance, integer, real
-from pyro_bdl._draws import copied_to
+from pyro_bdl._offload import copied_to
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.adaptation import DEFAULT_TARGET_EXCESS, Adaptation
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number

@@ -37,12 +37,14 @@ reference (25 minutes on two shared cores) was made on this one.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyro
 import pyro.distributions as dist
 import torch
+from pyro.infer import MCMC
 
 REFERENCES = Path(__file__).parent / "references"
 
@@ -175,6 +177,21 @@ def make_moons(minibatch: int | None = None) -> Case:
             return pyro.poutine.condition(net, data=draws)(MOONS_GRID).squeeze(-1)
 
     return Case("moons", model, (x, y), {"logit": logits})
+
+
+def sample(case: Case, kernel, num_samples: int, warmup_steps: int, seed: int = 0) -> dict:
+    """Run ``kernel`` on ``case``'s model through Pyro's ``MCMC`` from ``seed``; its draws.
+
+    The kernels' convergence warnings are silenced here: the tests that judge them catch
+    them on their own runs.
+    """
+    pyro.set_rng_seed(seed)
+    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.simplefilter("ignore", UserWarning)  # the Gaussian samples its "prior"
+        mcmc.run(*case.args)
+    return mcmc.get_samples()
 
 
 CASES = {

@@ -16,23 +16,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pyro_bdl.inference import SGHMC, SGLD, SGNHT
 
-from .reference_models import CASES
+from .reference_models import CASES, sample
 
 # the NUTS references are float64, and tests/pyro_models.py builds in the default dtype
 pytestmark = pytest.mark.usefixtures("float64")
 
 KERNELS = {"SGHMC": SGHMC, "SGLD": SGLD, "SGNHT": SGNHT}
 FIXED = {"adapt_step_size": False, "adapt_mass_matrix": False}
-
-
-def _sample(case, kernel, num_samples, warmup_steps, seed=0):
-    pyro.set_rng_seed(seed)
-    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # judged in their own tests
-        warnings.simplefilter("ignore", UserWarning)  # the Gaussian samples its "prior"
-        mcmc.run(*case.args)
-    return mcmc.get_samples()
 
 
 def test_mass_equalises_an_ill_conditioned_gaussian():
@@ -45,7 +35,7 @@ def test_mass_equalises_an_ill_conditioned_gaussian():
     # test_dense.py.)
     case = CASES["gaussian"]()
     kernel = SGHMC(case.model, dense_mass=False, **case.kernel_options)
-    _sample(case, kernel, 10, 2000)
+    sample(case, kernel, 10, 2000)
     inverse_mass = kernel.inverse_mass_matrix["z"]
     torch.testing.assert_close(inverse_mass, torch.tensor([1.0, 1e-3]).double(), rtol=0.5, atol=0)
 
