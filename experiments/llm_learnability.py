@@ -8,10 +8,12 @@ every answer uniform). This experiment measures, for each task, the accuracy and
 ``lora_model("smollm2", "multiple_choice", label_token_ids=...)`` on held-out questions
 before fine-tuning (zero shot) and every ``eval_every`` steps of AdamW
 (:func:`~pyro_bdl.inference.baselines.map_estimate`) against the majority class: the
-learning curve (``learning_curves.png``). At the last step it scores, on the same test
-questions, the reduced comparison of the Laplace-LoRA paper:
+learning curve (``learning_curves.png``). At the step of lowest validation NLL (early
+stopping, chosen on the validation questions) and at the last step (a fine-tune that may
+overfit, the regime of the papers' MAP) it scores, on the same test questions, the
+reduced comparison of the Laplace-LoRA paper:
 
-- **MAP**: the fine-tune itself;
+- **MAP**: the fine-tune at that step;
 - **MAP+TS**: the fine-tune with temperature scaling, one scalar fitted by the NLL on
   the validation questions (:func:`~pyro_bdl.inference.baselines.temperature_scaling`);
 - **LA**: Laplace-LoRA post hoc (:func:`~pyro_bdl.inference.fit_laplace_lora`): K-FAC GGN
@@ -20,8 +22,8 @@ questions, the reduced comparison of the Laplace-LoRA paper:
 
 Validation and test questions both come from the task's held-out split (SST-2: GLUE's
 dev sentences), disjoint: the first ``num_validation`` of a seeded draw validate
-(whatever is chosen, the temperature and the link, is chosen there), the others are
-only scored.
+(whatever is chosen, the checkpoint's step, the temperature and the link, is chosen
+there), the others are only scored.
 
 The tasks (prompts end in the answer's position; the label tokens score the choices):
 
@@ -286,9 +288,10 @@ def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
         )
     counts = torch.bincount(torch.stack([i["label"] for i in test_items]), minlength=len(ids))
     loader = _loader(train_items, sizes["batch_size"], seed)
-    values = lora.net.init_values()
-    curve = [{"step": 0, **_score(_map_probabilities(lora, values, num_data), test_items)}]
+    scored = (lora, num_data, validation_items, test_items)
+    curve = [_point(0, lora.net.init_values(), *scored)]
     _logger.info("%s step 0: %s", dataset, curve[-1])
+    best = None  # (validation NLL, step, predictor): the checkpoint the methods start from
     for step in range(sizes["eval_every"], sizes["num_steps"] + 1, sizes["eval_every"]):
         lora.train()  # the LoRA dropout, as in the papers
         # map_estimate starts from the module's adapters: where the last chunk stopped.
@@ -303,17 +306,21 @@ def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
             progress=False,
         )
         lora.eval()
-        values = predictor.point()
-        _set_module(lora, values)
-        curve.append(
-            {"step": step, **_score(_map_probabilities(lora, values, num_data), test_items)}
-        )
+        _set_module(lora, predictor.point())
+        curve.append(_point(step, predictor.point(), *scored))
         _logger.info("%s step %d: %s", dataset, step, curve[-1])
+        if best is None or curve[-1]["validation_nll"] < best[0]:
+            best = (curve[-1]["validation_nll"], step, predictor)
+    # The methods at the early-stopped fine-tune and at the last (maybe overfitted) one.
+    checkpoints = {best[1]: best[2], sizes["num_steps"]: predictor}
+    items = (train_items, validation_items, test_items)
     return {
         "curve": curve,
-        "methods": _compare(
-            lora, predictor, values, train_items, validation_items, test_items, sizes
-        ),
+        "checkpoint_step": best[1],
+        "methods": {
+            str(step): _compare(lora, fitted, *items, sizes)
+            for step, fitted in sorted(checkpoints.items())
+        },
         "majority": float(counts.max()) / float(counts.sum()),
         "chance_nll": math.log(len(ids)),
         "num_train": num_data,
@@ -325,9 +332,22 @@ def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
     }
 
 
-def _compare(lora, predictor, values, train_items, validation_items, test_items, sizes) -> dict:
-    """MAP, MAP + temperature scaling and Laplace-LoRA at the fine-tune, on the test items."""
+def _point(step: int, values, lora, num_data: int, validation_items, test_items) -> dict:
+    """A point of the learning curve: the test scores and the validation NLL at ``values``."""
+    probabilities = _map_probabilities(lora, values, num_data)
+    return {
+        "step": step,
+        **_score(probabilities, test_items),
+        "validation_nll": _score(probabilities, validation_items)["nll"],
+    }
+
+
+def _compare(lora, predictor, train_items, validation_items, test_items, sizes) -> dict:
+    """MAP, MAP + temperature scaling and Laplace-LoRA at the fine-tune ``predictor``
+    (:func:`~pyro_bdl.inference.baselines.map_estimate`'s), on the test items."""
     num_data = len(train_items)
+    values = predictor.point()
+    _set_module(lora, values)
     validation = _loader(validation_items, 16)
     scaled = temperature_scaling(predictor, validation, num_data)
     # Laplace-LoRA's evidence tuning starts from the fan-in prior, not the model's IID one.
@@ -413,9 +433,11 @@ def run(experiment: Experiment) -> dict:
                 "chance NLL": result["chance_nll"],
             }
         )
-        for method, scores in result["methods"].items():
-            methods.append({"dataset": dataset, "method": method, **_numbers(scores)})
-    columns = ["dataset", "method", "accuracy", "nll", "ece", "brier"]
+        for step, scores_of in result["methods"].items():
+            for method, scores in scores_of.items():
+                row = {"dataset": dataset, "step": step, "method": method}
+                methods.append({**row, **_numbers(scores)})
+    columns = ["dataset", "step", "method", "accuracy", "nll", "ece", "brier"]
     tables = [markdown_table(curves, list(curves[0]) if curves else ["dataset"])]
     tables.append(markdown_table(methods, columns))
     print("\n\n".join(tables))

@@ -9,7 +9,15 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
-from experiments.llm_learnability import METHODS, FrozenPrefix, _compare, _loader, _split
+from experiments.llm_learnability import (
+    METHODS,
+    FrozenPrefix,
+    _compare,
+    _loader,
+    _map_probabilities,
+    _score,
+    _split,
+)
 from pyro_bdl.data import load
 from pyro_bdl.inference.baselines import map_estimate
 from pyro_bdl.models import lora_model
@@ -61,14 +69,16 @@ def test_the_methods_are_scored_at_the_fine_tune():
     items = [{"h": h, "label": y} for h, y in zip(hidden, labels, strict=True)]
     train, validation, test = items[:12], items[12:20], items[20:]
     lora = lora_model(model, "multiple_choice", label_token_ids=[3, 4])
+    initial = lora.net.init_values()
     lora.train()
     predictor = map_estimate(lora.model, _loader(train, 4, seed=0), 12, num_steps=3, progress=False)
-    lora.eval()
-    values = predictor.point()
+    lora.eval()  # the module keeps its initial adapters: the predictor's are scored
     methods = _compare(
-        lora, predictor, values, train, validation, test, {"batch_size": 4, "marglik_steps": 5}
+        lora, predictor, train, validation, test, {"batch_size": 4, "marglik_steps": 5}
     )
     assert list(methods) == list(METHODS)
+    fine_tuned = _score(_map_probabilities(lora, predictor.point(), 12), test)
+    assert methods["MAP"] == fine_tuned != _score(_map_probabilities(lora, initial, 12), test)
     # Temperature scaling keeps every answer; the others' scores are probabilities' scores.
     assert methods["MAP+TS"]["accuracy"] == methods["MAP"]["accuracy"]
     assert methods["LA"]["link"] in ("mc", "probit", "bridge")
