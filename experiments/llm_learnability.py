@@ -64,7 +64,7 @@ from torch.utils.data import DataLoader
 
 from experiments.runner import Experiment, markdown_table
 from pyro_bdl import metrics
-from pyro_bdl.data import load
+from pyro_bdl.data import RecordDataset, load
 from pyro_bdl.data.prompts import answer_labels
 from pyro_bdl.data.tokenize import CausalMultipleChoiceCollator, answer_token_ids
 from pyro_bdl.inference import fit_laplace_lora
@@ -235,22 +235,21 @@ def _map_probabilities(lora, values, num_data: int):
 
 
 def _split(experiment: Experiment, dataset: str, sizes: dict, seed: int):
-    """Training records, and disjoint validation and test records from the held-out split."""
+    """Training records, and disjoint validation and test records from the held-out split.
+
+    The validation records are ``load(..., limit=num_validation, seed=seed)``, the held-out
+    records on which :data:`FULL`'s settings were chosen; the test records are a seeded
+    draw of ``num_test`` of the others.
+    """
     _, options = TASKS[dataset]
-    train = load(
-        dataset, experiment.data_dir, "train", limit=sizes["num_train"], seed=seed, **options
-    )
-    held_out = load(
-        dataset,
-        experiment.data_dir,
-        "test",
-        limit=sizes["num_validation"] + sizes["num_test"],
-        seed=seed,
-        **options,
-    )
-    order = torch.randperm(len(held_out), generator=torch.Generator().manual_seed(seed))
-    held_out = [held_out[int(i)] for i in order]
-    return list(train), held_out[: sizes["num_validation"]], held_out[sizes["num_validation"] :]
+
+    def draw(split: str, limit: int | None):
+        return load(dataset, experiment.data_dir, split, limit=limit, seed=seed, **options)
+
+    validation = list(draw("test", sizes["num_validation"]))
+    others = RecordDataset([record for record in draw("test", None) if record not in validation])
+    test = list(others.subset(sizes["num_test"], seed))
+    return list(draw("train", sizes["num_train"])), validation, test
 
 
 def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
