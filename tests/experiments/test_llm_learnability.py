@@ -1,11 +1,27 @@
-"""The SmolLM2 learnability experiment: its frozen prefix is exact (the --quick run is in
+"""The SmolLM2 learnability experiment: its frozen prefix is exact, its held-out split is
+disjoint, its methods are scored at the fine-tune (the --quick run is in
 validation/experiments)."""
+
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tiny_models import tiny_llama
 
-from experiments.llm_learnability import FrozenPrefix
+from experiments.llm_learnability import (
+    METHODS,
+    FrozenPrefix,
+    _compare,
+    _loader,
+    _map_probabilities,
+    _score,
+    _split,
+)
+from pyro_bdl.data import load
+from pyro_bdl.inference.baselines import map_estimate
+from pyro_bdl.models import lora_model
+from pyro_bdl.priors import IIDNormal
 
 
 def test_the_cut_model_fed_the_prefix_computes_what_the_whole_model_does():
@@ -27,3 +43,46 @@ def test_the_cut_model_fed_the_prefix_computes_what_the_whole_model_does():
     torch.testing.assert_close(cut[real], whole[real], rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="top_layers must be in"):
         FrozenPrefix(tiny_llama(0, torch.float64, vocab_size=23), top_layers=2)
+
+
+def test_validation_and_test_come_from_the_held_out_split_disjoint(shared_data):
+    sizes = {"num_train": 6, "num_validation": 5, "num_test": 7}
+    experiment = SimpleNamespace(data_dir=shared_data)
+    train, validation, test = _split(experiment, "sst2", sizes, seed=0)
+    assert (len(train), len(validation), len(test)) == (6, 5, 7)
+    held_out = {record["text"] for record in load("sst2", shared_data, "test")}
+    texts = [record["text"] for record in validation + test]
+    assert set(texts) <= held_out and len(set(texts)) == len(texts)
+    # The validation records are the held-out draw of that size (the settings' probe set).
+    assert validation == list(load("sst2", shared_data, "test", limit=5, seed=0))
+
+
+# Random labels: no temperature beats uniform answers, and a 5-step evidence fit is short.
+@pytest.mark.filterwarnings("ignore:temperature_scaling", "ignore:optimize_prior_precision")
+def test_the_methods_are_scored_at_the_fine_tune():
+    # A tiny Llama cut to its last layer, random prompts of two classes (answer tokens 3, 4).
+    model = tiny_llama(0, torch.float32, vocab_size=23).eval()
+    prefix = FrozenPrefix(model, top_layers=1)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(5, 23, (28, 6), generator=generator)
+    hidden = prefix.hidden(input_ids, torch.ones_like(input_ids))
+    labels = torch.randint(0, 2, (28,), generator=generator)
+    items = [{"h": h, "label": y} for h, y in zip(hidden, labels, strict=True)]
+    train, validation, test = items[:12], items[12:20], items[20:]
+    lora = lora_model(model, "multiple_choice", label_token_ids=[3, 4])
+    initial = lora.net.init_values()
+    lora.train()
+    predictor = map_estimate(lora.model, _loader(train, 4, seed=0), 12, num_steps=3, progress=False)
+    lora.eval()  # the module keeps its initial adapters: the predictor's are scored
+    methods = _compare(
+        lora, predictor, train, validation, test, {"batch_size": 4, "marglik_steps": 5}
+    )
+    assert list(methods) == list(METHODS)
+    fine_tuned = _score(_map_probabilities(lora, predictor.point(), 12), test)
+    assert methods["MAP"] == fine_tuned != _score(_map_probabilities(lora, initial, 12), test)
+    # Temperature scaling keeps every answer; the others' scores are probabilities' scores.
+    assert methods["MAP+TS"]["accuracy"] == methods["MAP"]["accuracy"]
+    assert methods["LA"]["link"] in ("mc", "probit", "bridge")
+    for scores in methods.values():
+        assert 0.0 <= scores["accuracy"] <= 1.0 and math.isfinite(scores["nll"])
+    assert isinstance(lora.net.prior, IIDNormal)  # Laplace's fan-in prior was put back

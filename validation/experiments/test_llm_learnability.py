@@ -1,5 +1,5 @@
 """The SmolLM2 learnability experiment in --quick mode (moved from ``tests/experiments``):
-curves, table, figure, resume."""
+curves, the methods at the fine-tune, table, figure, resume."""
 
 import importlib.util
 import json
@@ -26,6 +26,12 @@ def test_quick_run_writes_curves_and_resumes(tmp_path, shared_data, report):
     assert [point["step"] for point in curve] == [0, 2, 4]
     assert all(0 <= point["accuracy"] <= 1 and point["nll"] > 0 for point in curve)
     assert results["sst2"]["cut_error"] < 1e-3 and results["sst2"]["majority"] >= 0.5
+    # The methods at the early-stopped step (lowest validation NLL) and at the last one.
+    methods = results["sst2"]["methods"]
+    assert results["sst2"]["checkpoint_step"] in (2, 4) and "4" in methods
+    for scores in methods.values():
+        assert list(scores) == ["MAP", "MAP+TS", "LA"]
+        assert scores["MAP+TS"]["accuracy"] == scores["MAP"]["accuracy"]
     assert saved["experiment"] == "llm-learnability" and saved["settings"]["top_layers"] == 1
     assert (tmp_path / "learning_curves.png").read_bytes()[:8] == PNG_MAGIC
     assert "| sst2 |" in (tmp_path / "learnability.md").read_text()
