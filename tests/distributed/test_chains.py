@@ -121,10 +121,11 @@ def test_a_killed_ranks_chain_resumes_from_its_store(tmp_path):
     directory, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
     # rank 1 runs chain 1 (7 steps); its model is called twice at set-up (the model's
-    # check and the outputs on the probe batch), once a step and once more for each kept
-    # draw's outputs on the probe: it dies at the third kept draw's step
+    # check and the outputs on the probe batch), ten times more at the first step (the
+    # dense mass's curvature probe: 4 parameters), once a step and once more for each
+    # kept draw's outputs on the probe: it dies at the third kept draw's step
     with pytest.raises(ProcessExitedException):
-        run_ranks(_run_with_checkpoint, str(directory), str(out), 9)
+        run_ranks(_run_with_checkpoint, str(directory), str(out), 19)
     stored = DrawStore(directory / "chain_1" / "draws.zarr", chain=1)
     kept = stored.read(0, stored.num_written)["weight"]
     assert 0 < len(kept) < 4

@@ -170,8 +170,14 @@ def _compare(fits, prefix):
     keys = [key for key in single if key.startswith(prefix)]
     assert keys
     for key in keys:
+        tolerance = TOLERANCE
+        if key.startswith("adapted.mass."):
+            # The dense mass's first metric comes from gradient differences at a step of
+            # sqrt(eps): two half-batch sums and one whole-batch sum round apart by about
+            # 1e-8 of the matrix's scale, so its near-zero entries are judged on that scale.
+            tolerance = {**TOLERANCE, "atol": TOLERANCE["rtol"] * float(single[key].abs().max())}
         for rank in ranks:  # every rank holds the same result
-            torch.testing.assert_close(rank[key], single[key], **TOLERANCE, msg=key)
+            torch.testing.assert_close(rank[key], single[key], **tolerance, msg=key)
 
 
 @pytest.mark.parametrize("curvature", CURVATURES)
