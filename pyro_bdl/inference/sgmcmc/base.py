@@ -60,6 +60,7 @@ from pyro_bdl.inference.sgmcmc.dense import (
     DRIFT_TOLERANCE,
     DenseAdaptation,
     dense_by_default,
+    largest_curvature,
     one_device,
 )
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise, norm
@@ -70,9 +71,6 @@ from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
 from pyro_bdl.inference.sgmcmc.target import checked_init_params, model_target, placed_like
 
 __all__ = ["SGMCMCKernel", "DivergenceError"]
-
-#: Power-method iterations (extra gradients, once) for the first dense metric's scale.
-CURVATURE_ITERATIONS = 10
 
 
 class SGMCMCKernel(MCMCKernel):
@@ -502,7 +500,15 @@ class SGMCMCKernel(MCMCKernel):
         )
         if adapting:
             if state.step == 0 and isinstance(state.adaptation, DenseAdaptation):
-                state.adaptation.start(self._largest_curvature(batch, grads))
+
+                def gradient_at(params: dict) -> list[torch.Tensor]:
+                    with torch.enable_grad():
+                        _, moved = self.target.log_joint_and_grad(
+                            params, args, kwargs, average=self._data_parallel
+                        )
+                    return moved
+
+                state.adaptation.start(largest_curvature(gradient_at, state.params, grads))
             state.adaptation.observe_gradient(grads)
         info = StepInfo(state.step, batch, self.current_step_size())
         potential = -log_joint.autograd_value
@@ -536,36 +542,6 @@ class SGMCMCKernel(MCMCKernel):
                 self._refresh()
         state.step += 1
         self.info = info
-
-    def _largest_curvature(self, batch: tuple, grads: list[torch.Tensor]) -> float:
-        """The largest curvature of the minibatch potential at the chain's start: the power
-        method on Hessian-vector products, each a difference of two gradients on the same
-        batch (so free of minibatch noise), from a fixed direction."""
-        args, kwargs = batch
-        theta = self.state.theta
-        generator = torch.Generator().manual_seed(0)
-        direction = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t) for t in theta]
-        largest = max(float(t.detach().abs().max()) for t in theta)
-        # the coarsest dtype's precision sets the difference's step
-        shift = max(torch.finfo(t.dtype).eps for t in theta) ** 0.5 * (1 + largest)
-        curvature = 0.0
-        for _ in range(CURVATURE_ITERATIONS):
-            length = float(norm(direction))
-            if not 0 < length < math.inf:
-                break
-            with torch.no_grad():
-                moved = {
-                    name: (t + (shift / length) * v).requires_grad_(True)
-                    for (name, t), v in zip(self.state.params.items(), direction)
-                }
-            with torch.enable_grad():
-                _, shifted = self.target.log_joint_and_grad(
-                    moved, args, kwargs, average=self._data_parallel
-                )
-            # H v / |v| of the potential -log p
-            direction = [(g - s) / shift for g, s in zip(grads, shifted)]
-            curvature = float(norm(direction))
-        return curvature if 0 < curvature < math.inf else 1.0
 
     def _check_potential(self, value: float | list[float], info: StepInfo) -> None:
         if isinstance(value, list):

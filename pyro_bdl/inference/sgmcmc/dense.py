@@ -110,14 +110,25 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
 from pyro_bdl import distributed
 from pyro_bdl.inference.sgmcmc.adaptation import Adaptation
+from pyro_bdl.inference.sgmcmc.device import norm
 
-__all__ = ["DENSE_MAX_DIMENSION", "DenseAdaptation", "dense_by_default", "one_device"]
+__all__ = [
+    "CURVATURE_ITERATIONS",
+    "DENSE_MAX_DIMENSION",
+    "DenseAdaptation",
+    "dense_by_default",
+    "largest_curvature",
+    "one_device",
+]
 
+#: Power-method iterations (extra gradients, once) for the first metric's scale.
+CURVATURE_ITERATIONS = 10
 #: The most unconstrained parameters for which the mass is dense by default.
 DENSE_MAX_DIMENSION = 200
 #: Largest factor by which one refresh raises the metric (the inverse mass) along a
@@ -150,6 +161,44 @@ def dense_by_default(theta: list[torch.Tensor]) -> bool:
     """Whether the mass is dense by default: at most ``DENSE_MAX_DIMENSION`` parameters,
     on one device."""
     return one_device(theta) and sum(t.numel() for t in theta) <= DENSE_MAX_DIMENSION
+
+
+def largest_curvature(
+    gradient_at: Callable[[dict], list[torch.Tensor]],
+    params: dict[str, torch.Tensor],
+    grads: list[torch.Tensor],
+) -> float:
+    """The largest curvature of the minibatch potential at the chain's start, for
+    :meth:`DenseAdaptation.start`: the power method on Hessian-vector products, each a
+    difference of two gradients on the same batch (so free of minibatch noise), from a
+    fixed direction.
+
+    :param gradient_at: the gradient of the log joint on the start's batch at other values
+        of the sites (``name -> unconstrained value``).
+    :param dict params: the sites' unconstrained values at the start.
+    :param list grads: the gradient there.
+    """
+    theta = list(params.values())
+    generator = torch.Generator().manual_seed(0)
+    direction = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t) for t in theta]
+    largest = max(float(t.detach().abs().max()) for t in theta)
+    # the coarsest dtype's precision sets the difference's step
+    shift = max(torch.finfo(t.dtype).eps for t in theta) ** 0.5 * (1 + largest)
+    curvature = 0.0
+    for _ in range(CURVATURE_ITERATIONS):
+        length = float(norm(direction))
+        if not 0 < length < math.inf:
+            break
+        with torch.no_grad():
+            moved = {
+                name: (t + (shift / length) * v).requires_grad_(True)
+                for (name, t), v in zip(params.items(), direction)
+            }
+        shifted = gradient_at(moved)
+        # H v / |v| of the potential -log p
+        direction = [(g - s) / shift for g, s in zip(grads, shifted)]
+        curvature = float(norm(direction))
+    return curvature if 0 < curvature < math.inf else 1.0
 
 
 class DenseAdaptation(Adaptation):
@@ -320,7 +369,7 @@ class DenseAdaptation(Adaptation):
         sigma = _geometric_mean(positions, _inverse((gradients + gradients.T) / 2))
         # at most MAX_GROWTH (MAX_START_GROWTH) times the previous metric along any
         # direction
-        root, inverse_root = _power(previous, 0.5), _power(previous, -0.5)
+        root, inverse_root = _powers(previous, 0.5, -0.5)
         values, vectors = torch.linalg.eigh(inverse_root @ sigma @ inverse_root)
         if not bool(torch.isfinite(values).all()):
             return previous  # keep the metric
@@ -373,23 +422,24 @@ def _covariance(first: torch.Tensor, second: torch.Tensor, outer: torch.Tensor, 
     return outer / count - torch.outer(first / count, second / count)
 
 
-def _power(matrix: torch.Tensor, exponent: float) -> torch.Tensor:
-    """A symmetric positive semi-definite matrix to a power, its eigenvalues floored at
-    ``_EIGEN_FLOOR`` times the largest."""
+def _powers(matrix: torch.Tensor, *exponents: float) -> list[torch.Tensor]:
+    """A symmetric positive semi-definite matrix to each power, from one eigendecomposition,
+    its eigenvalues floored at ``_EIGEN_FLOOR`` times the largest."""
     values, vectors = torch.linalg.eigh(matrix)
     values = values.clamp_min(_EIGEN_FLOOR * values.max().clamp_min(0)).clamp_min(
         torch.finfo(values.dtype).tiny
     )
-    return (vectors * values.pow(exponent)) @ vectors.T
+    return [(vectors * values.pow(exponent)) @ vectors.T for exponent in exponents]
 
 
 def _inverse(matrix: torch.Tensor) -> torch.Tensor:
-    return _power(matrix, -1.0)
+    (inverse,) = _powers(matrix, -1.0)
+    return inverse
 
 
 def _geometric_mean(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """:math:`A \\# B = A^{1/2} (A^{-1/2} B A^{-1/2})^{1/2} A^{1/2}`."""
-    root, inverse_root = _power(a, 0.5), _power(a, -0.5)
-    middle = _power(inverse_root @ b @ inverse_root, 0.5)
+    root, inverse_root = _powers(a, 0.5, -0.5)
+    (middle,) = _powers(inverse_root @ b @ inverse_root, 0.5)
     mean = root @ middle @ root
     return (mean + mean.T) / 2

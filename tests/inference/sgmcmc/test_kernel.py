@@ -13,8 +13,8 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import SGHMC, SGLD, SGNHT, DivergenceError, RobbinsMonro
-from pyro_bdl.inference.sgmcmc.base import CURVATURE_ITERATIONS
 from pyro_bdl.inference.sgmcmc.chains import Chains
+from pyro_bdl.inference.sgmcmc.dense import CURVATURE_ITERATIONS
 
 KERNELS = [SGLD, SGHMC, SGNHT]
 NUM_DATA = 24
