@@ -109,6 +109,7 @@ robust Bayesian neural networks. NeurIPS 2016.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from pyro.infer.mcmc.adaptation import WarmupAdapter
@@ -224,6 +225,46 @@ class Adaptation:
             self._squares = FlatBuffers(theta)  # second moments, or sums of squares
             for flat in (*self._mass.flats, *self._means.flats, *self._squares.flats):
                 flat.zero_()
+
+    # -- the kernel's calls ----------------------------------------------------------
+
+    @property
+    def unit_scale(self) -> list[torch.Tensor] | None:
+        """The :math:`D^{-1/2}` the method's update applies itself (None: a unit mass)."""
+        return self.scale
+
+    def begin(
+        self,
+        gradient_at: Callable[[dict], list[torch.Tensor]],
+        params: dict[str, torch.Tensor],
+        grads: list[torch.Tensor],
+    ) -> None:
+        """At the chain's first step, given its gradient ``grads`` at ``params`` and
+        ``gradient_at`` (the gradient on the same batch at other values): nothing for a
+        diagonal mass."""
+
+    def apply(
+        self,
+        update: Callable[[list[torch.Tensor], list[torch.Tensor], float], None],
+        theta: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        step_size: float,
+        adapting: bool,
+    ) -> None:
+        """Take the method's ``update(theta, grads, step_size)`` under this mass (the
+        diagonal one is applied by the update itself, through :attr:`unit_scale`)."""
+        update(theta, grads, step_size)
+
+    def warning(self) -> str | None:
+        """A sentence saying the warm-up ended unconverged, or None."""
+        return None
+
+    def inverse_mass_matrix_of(self, params: dict[str, torch.Tensor]) -> dict | None:
+        """The adapted inverse mass per site of ``params`` (None when not adapted)."""
+        scale = self.scale
+        if scale is None:
+            return None
+        return {name: s.square() for name, s in zip(params, scale)}
 
     @property
     def scale(self) -> list[torch.Tensor] | None:

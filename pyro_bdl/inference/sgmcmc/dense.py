@@ -324,6 +324,33 @@ class DenseAdaptation(Adaptation):
         return more or refreshed
 
     @property
+    def unit_scale(self) -> None:
+        # the update runs with the unit mass on whitened coordinates (see apply)
+        return None
+
+    def begin(self, gradient_at, params, grads) -> None:
+        self.start(largest_curvature(gradient_at, params, grads))
+
+    def apply(self, update, theta, grads, step_size, adapting) -> None:
+        # the unit-mass update of z = L^{-1} theta, then theta += L (z' - z)
+        update(self.displacement(), self.whiten(grads, clip=adapting), step_size)
+        self.move(theta)
+
+    def warning(self) -> str | None:
+        if not self.drift > DRIFT_TOLERANCE:  # (a NaN drift is no finding)
+            return None
+        return (
+            f"warm-up had not converged when it fixed the dense mass: the means of the "
+            f"halves of its last window differ by {self.drift:.2g} posterior sds "
+            f"(more than {DRIFT_TOLERANCE:g}); run more warmup_steps (the last window "
+            "doubles with them)"
+        )
+
+    def inverse_mass_matrix_of(self, params: dict[str, torch.Tensor]) -> dict:
+        # keyed by the tuple of every site's name, as Pyro's HMC keys a full_mass group
+        return {tuple(params): self.inverse_mass_matrix}
+
+    @property
     def inverse_mass_matrix(self) -> torch.Tensor:
         """:math:`M^{-1} = L L^\\top`, the dense inverse mass (:math:`d \\times d`)."""
         return self.factor @ self.factor.T

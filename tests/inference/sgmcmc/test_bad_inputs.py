@@ -224,7 +224,7 @@ def test_numpy_and_tensor_scalars_are_numbers(kernel_class):
         0.5,
         2,
     )
-    assert type(kernel.thin) is int and kernel._num_data_arg == NUM_DATA
+    assert type(kernel.thin) is int and kernel.hyper.num_data == NUM_DATA
     assert RobbinsMonro(b=np.float64(10.0), gamma=torch.tensor(1.0))(np.int64(10)) == 0.5
 
 
