@@ -154,11 +154,15 @@ _PRIOR_COUNT = 5
 class Adaptation:
     """The warm-up adaptation of one chain: its mass, its step size and their schedule.
 
-    The kernel calls :meth:`observe_gradient` with each warm-up step's gradient before
-    its update, :meth:`observe_statistic` with the step's excess (see the module
+    A component the kernel's step calls (:mod:`~pyro_bdl.inference.sgmcmc.warmup` makes
+    it): :meth:`begin` at the chain's first step, :meth:`observe_gradient` with each
+    warm-up step's gradient before its update, :meth:`apply` to take the method's update
+    under the mass, :meth:`observe_statistic` with the step's excess (see the module
     docstring) when it has read it, and :meth:`end_step` after the step (which says when
-    to draw the momenta afresh); it reads :attr:`step_size` and :attr:`scale`
-    (:math:`D^{-1/2}` per parameter, or None without mass adaptation) for its update.
+    to draw the momenta afresh); the method's update reads ``step_size`` and
+    :attr:`unit_scale` (:math:`D^{-1/2}` per parameter, or None without mass adaptation).
+    The dense mass (``DenseAdaptation``, :mod:`~pyro_bdl.inference.sgmcmc.dense`)
+    answers the same calls.
 
     :param list theta: the chain's parameters (shapes, dtypes and devices of the mass).
     :param int warmup_steps: the number of warm-up steps.

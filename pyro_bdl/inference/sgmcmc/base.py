@@ -1,21 +1,18 @@
 r"""The tempered stochastic-gradient MCMC kernel that SGLD, SGHMC and SGNHT share.
 
-Every kernel here simulates an SDE whose stationary law is the tempered posterior
-:math:`p(\theta \mid y_{1:N})^{1/T}` (Appendix B of the posteriors paper, with the user
-temperature :math:`T = N \mathcal{T}`). The kernels are Pyro
-:class:`~pyro.infer.mcmc.mcmc_kernel.MCMCKernel`\ s, so ``pyro.infer.MCMC`` drives them.
-A kernel is its hyperparameters (a frozen
-:class:`~pyro_bdl.inference.sgmcmc.hyperparameters.Hyperparameters` record, extended by
-each method), its method's ``init`` and ``update`` (in the method's file), and while a
-chain runs one :class:`~pyro_bdl.inference.sgmcmc.run.ChainRun` that owns the chain's
-run-time state. The step is :mod:`~pyro_bdl.inference.sgmcmc.step`; the warm-up
-adaptation a component it calls (:mod:`~pyro_bdl.inference.sgmcmc.warmup`).
+Each simulates an SDE whose stationary law is the tempered posterior :math:`p(\theta \mid
+y_{1:N})^{1/T}` (Appendix B of the posteriors paper, user temperature :math:`T = N
+\mathcal{T}`), as a Pyro :class:`~pyro.infer.mcmc.mcmc_kernel.MCMCKernel` that
+``pyro.infer.MCMC`` drives. A kernel is its method (:mod:`~pyro_bdl.inference.sgmcmc.method`:
+a frozen hyperparameter record, ``init`` and ``update``) and, while a chain runs, one
+:class:`~pyro_bdl.inference.sgmcmc.run.ChainRun` that owns the chain's run-time state; the
+step is :mod:`~pyro_bdl.inference.sgmcmc.step`, the warm-up adaptation a component it
+calls (:mod:`~pyro_bdl.inference.sgmcmc.warmup`).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -24,21 +21,19 @@ import torch
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from pyro_bdl._checks import function, instance, integer
-from pyro_bdl._offload import copied_to
 from pyro_bdl.inference.sgmcmc import run as chain_run
 from pyro_bdl.inference.sgmcmc import step
 from pyro_bdl.inference.sgmcmc.divergence import DivergenceError
-from pyro_bdl.inference.sgmcmc.hyperparameters import Hyperparameters
-from pyro_bdl.inference.sgmcmc.state import ChainState
+from pyro_bdl.inference.sgmcmc.method import Method
 from pyro_bdl.inference.sgmcmc.target import checked_init_params
+from pyro_bdl.inference.sgmcmc.warmup import WarmupResults
 
 __all__ = ["SGMCMCKernel", "DivergenceError"]
 
 
-class SGMCMCKernel(MCMCKernel):
-    """Base class of the tempered SGMCMC kernels; a method defines ``Hyperparameters``
-    (its record), ``init`` (its :class:`~pyro_bdl.inference.sgmcmc.state.ChainState`)
-    and ``update`` (the in-place step given the gradient).
+class SGMCMCKernel(Method, WarmupResults, MCMCKernel):
+    """Base class of the tempered SGMCMC kernels: a method defines its ``Hyperparameters``
+    record, ``init`` and ``update`` (see :class:`~pyro_bdl.inference.sgmcmc.method.Method`).
 
     The hyperparameters (``step_size``, ``temperature``, ``adapt_step_size``, ...) are
     those of :class:`~pyro_bdl.inference.sgmcmc.hyperparameters.Hyperparameters` and read
@@ -64,8 +59,6 @@ class SGMCMCKernel(MCMCKernel):
     :param hyperparameters: ``step_size``, ``temperature`` and the rest of the method's
         record.
     """
-
-    Hyperparameters = Hyperparameters
 
     def __init__(
         self,
@@ -133,17 +126,9 @@ class SGMCMCKernel(MCMCKernel):
         run = self.run
         state, store, warmup_steps = run.state, run.kept.checkpoint, run.warmup_steps
         if store is not None and store.replaying(state.iteration):
-            run.returned = store.replay(state.iteration)
-            if state.iteration >= warmup_steps:
-                run.kept.monitor.add(run.kept.monitor.coordinates(run.returned).tolist())
-                if self.function_monitor is not None:
-                    self.function_monitor.add(run.returned)
+            run.replay(store, self.function_monitor)
         else:
-            if params is not run.returned:  # values that did not come from the last step
-                with torch.no_grad():
-                    for name, theta in state.params.items():
-                        if params.get(name) is not None and params[name] is not theta:
-                            theta.copy_(params[name])
+            run.adopt(params)
             if state.iteration == warmup_steps:
                 if state.adaptation is not None:
                     state.adaptation.finish()
@@ -161,9 +146,8 @@ class SGMCMCKernel(MCMCKernel):
 
     def logging(self) -> dict:
         """The progress bar's figures: the step size and ``lp``, the minibatch log
-        likelihood plus the priors that are not isotropic normals, at the last step read
-        (the isotropic normal priors are left out to keep a pass over the weights out of
-        every step; the sample statistic ``potential_energy`` is the whole minibatch's)."""
+        likelihood plus the priors that are not isotropic normals (no pass over the
+        weights per step; the statistic ``potential_energy`` is the whole log joint)."""
         step_size = self.info.step_size if self.info else self.step_size or math.nan
         return {"step_size": f"{step_size:.2e}", "lp": f"{-self.state.potential_energy:.4g}"}
 
@@ -175,59 +159,13 @@ class SGMCMCKernel(MCMCKernel):
                 "cannot return zero draws; pass num_samples >= 1 (num_samples=1 keeps the "
                 "state the warm-up ends at)"
             )
-        self._check_chain()
+        chain_run.check(self)
         return {"sample_stats": self.kept.sample_stats()}
 
     def cleanup(self) -> None:
-        self._check_chain()
+        chain_run.check(self)
         if self.kept is not None:  # Pyro holds its own copy of every draw now
             self.kept.release()
-
-    def _check_chain(self) -> None:
-        """Warn once per chain if its draws are off the stationary law or unconverged."""
-        if self.run is None or self.run.checked or self.kept is None:
-            return
-        self.run.checked = True
-        message, converged = chain_run.finished_chain_warning(self)
-        if message:
-            warnings.warn(f"{type(self).__name__}: {message}", RuntimeWarning, stacklevel=3)
-        if converged is not None:
-            warnings.warn(f"{type(self).__name__}: {converged[0]}", converged[1], stacklevel=3)
-
-    # -- what a method defines -------------------------------------------------------
-
-    def init(self, params: dict[str, torch.Tensor]) -> ChainState:
-        """The chain's state at its start: the parameters and the method's auxiliary
-        variables (momenta, thermostat)."""
-        return ChainState(params)
-
-    def update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
-        """Update ``theta`` and the auxiliary variables in place, given the gradient."""
-        raise NotImplementedError
-
-    def adaptation_statistic(self, step_size: float) -> torch.Tensor:
-        """The excess of the position variance that this step shows (a device scalar),
-        after the update; see :mod:`~pyro_bdl.inference.sgmcmc.adaptation`."""
-        raise NotImplementedError
-
-    def refresh(self) -> None:
-        """Draw the auxiliary variables afresh at the start of an adaptation window."""
-
-    def end_warmup(self) -> None:
-        """Called once, before the first step after warm-up (auxiliary-variable refresh)."""
-
-    def extra_stats(self) -> dict[str, torch.Tensor | float]:
-        """Method-specific statistics of the current state (device scalars), recorded
-        with each kept draw."""
-        return {}
-
-    def stat_names(self) -> list[str]:
-        """The sample statistics of each kept draw."""
-        return ["potential_energy", "step_size", "temperature", "grad_norm", *self.extra_stats()]
-
-    def equilibrium_warning(self) -> str | None:
-        """A sentence saying the finished chain is off its stationary law, or None."""
-        return None
 
     # -- the chain -------------------------------------------------------------------
 
@@ -243,35 +181,8 @@ class SGMCMCKernel(MCMCKernel):
         return self.hyper.num_data if self.run is None else self.run.num_data
 
     def current_step_size(self) -> float:
-        """The step size of the next kernel step: the given or adapted one, after the
-        schedule."""
+        """The next step's step size: the given or adapted one, after the schedule."""
         return step.step_size(self)
-
-    @property
-    def adapted_step_size(self) -> float | None:
-        """The step size the chain runs with after warm-up (None before set-up, or while
-        it is still to be found from the first gradient)."""
-        adaptation = None if self.state is None else self.state.adaptation
-        return self.step_size if adaptation is None else adaptation.step_size
-
-    @property
-    def stiffness(self) -> float | None:
-        """How much stiffer than the average (after the mass) the stiffest direction
-        found in warm-up is; the kept step size was lowered for it when above 1 (see
-        :mod:`~pyro_bdl.inference.sgmcmc.stiffness`). None without step-size adaptation."""
-        adaptation = None if self.state is None else self.state.adaptation
-        return None if adaptation is None or not self.adapt_step_size else adaptation.stiffness
-
-    @property
-    def inverse_mass_matrix(self) -> dict[str, torch.Tensor] | None:
-        """The adapted inverse mass per site (None when the mass is not adapted): the
-        diagonal :math:`D^{-1}` shaped like each site's unconstrained value (the
-        preconditioner of SGLD, the inverse mass of SGHMC and SGNHT over ``mass``); with
-        a dense mass one entry keyed by the tuple of every site's name (as Pyro's HMC
-        keys a ``full_mass`` group), the :math:`d \\times d` matrix over the flattened
-        values in order."""
-        adaptation = None if self.state is None else self.state.adaptation
-        return None if adaptation is None else adaptation.inverse_mass_matrix_of(self.state.params)
 
     def standard_normal(self) -> list[torch.Tensor]:
         """Fresh N(0, I) noise shaped like the parameters: one draw into one flat buffer
@@ -279,19 +190,9 @@ class SGMCMCKernel(MCMCKernel):
         return self.run.standard_normal()
 
     def constrained_values(self, device: str | torch.device | None = None) -> dict:
-        """A detached copy of the current values of every site, in its support.
-
-        :param device: where to put the copy (default: where the parameters are); a copy
-            to the CPU is one transfer per dtype, not one per site.
-        """
-        with torch.no_grad():
-            values = {
-                name: self.target.constrain(name, z).detach()
-                for name, z in self.state.params.items()
-            }
-            if device is None:
-                return {name: value.clone() for name, value in values.items()}
-            return copied_to(values, torch.device(device))
+        """A detached copy of every site's current value, in its support, on ``device``
+        (default: the parameters'; a copy to the CPU is one transfer per dtype)."""
+        return self.run.constrained_values(device)
 
     def get_draws(self) -> dict[str, torch.Tensor]:
         """The draws kept so far by this kernel: name -> ``(num_draws, *shape)``, on the CPU."""

@@ -4,7 +4,7 @@ Each method file extends :class:`Hyperparameters` with its own (``SGHMCHyperpara
 adds the friction and the mass), the way posteriors' ``build`` and blackjax's
 ``build_kernel`` take their configuration: fixed for the kernel's life, validated once
 when the kernel is made, and read by the method's ``init`` and ``update``. The record also
-holds the method's rules for warm-up adaptation (:attr:`Hyperparameters.step_exponent`,
+holds the method's rules for warm-up adaptation (``step_exponent``,
 :meth:`Hyperparameters.max_adapted_step_size`, :meth:`Hyperparameters.relaxation_rate`),
 which depend on these values alone.
 """

@@ -5,7 +5,7 @@ A kernel holds its hyperparameters (a frozen record) and, while a chain runs, on
 :class:`~pyro_bdl.inference.sgmcmc.state.ChainState` (what a step reads and changes, and
 a checkpoint saves), the last step's :class:`~pyro_bdl.inference.sgmcmc.state.StepInfo`,
 the kept draws and the device reads in flight. :func:`start` makes it from the model's
-arguments; :func:`finished_chain_warning` judges the chain when it ends. Under
+arguments; :func:`check` judges the chain when it ends. Under
 ``torchrun``, outside :class:`~pyro_bdl.inference.Chains`, every rank steps the same chain
 on its shard of the data (``data_parallel``): rank 0's start, averaged gradients, rank 0's
 noise.
@@ -13,11 +13,13 @@ noise.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from pyro_bdl import distributed
+from pyro_bdl._offload import copied_to
 from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
 from pyro_bdl.inference.sgmcmc.convergence import FunctionSpaceMonitor, convergence_warning
@@ -27,7 +29,7 @@ from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
 from pyro_bdl.inference.sgmcmc.target import Target, model_target, placed_like
 from pyro_bdl.inference.sgmcmc.warmup import new_adaptation
 
-__all__ = ["ChainRun", "finished_chain_warning", "start"]
+__all__ = ["ChainRun", "check", "start"]
 
 
 @dataclass(eq=False)
@@ -41,12 +43,12 @@ class ChainRun:
     :ivar bool data_parallel: one chain stepped by every rank of a ``torchrun`` job.
     :ivar dict initial_params: the chain's start (unconstrained values).
     :ivar state: the :class:`~pyro_bdl.inference.sgmcmc.state.ChainState`.
-    :ivar kept: the :class:`~pyro_bdl.inference.sgmcmc.kept.KeptDraws`.
+    :ivar kept: the ``KeptDraws`` (:mod:`~pyro_bdl.inference.sgmcmc.kept`).
     :ivar info: the last step's :class:`~pyro_bdl.inference.sgmcmc.state.StepInfo`.
     :ivar dict returned: what the last ``sample`` returned to Pyro.
-    :ivar noise: the chain's :class:`~pyro_bdl.inference.sgmcmc.device.Noise`, made at
+    :ivar noise: the chain's ``Noise`` (:mod:`~pyro_bdl.inference.sgmcmc.device`), made at
         its first draw (none at temperature 0).
-    :ivar watch: the potential energies in flight (:class:`~.device.LaggedRead`).
+    :ivar watch: the potential energies in flight (a ``LaggedRead``).
     :ivar bool checked: whether the finished chain was judged already.
     :ivar int dimension: the number of unconstrained parameters.
     """
@@ -65,6 +67,38 @@ class ChainRun:
     watch: LaggedRead = field(default_factory=LaggedRead)
     checked: bool = False
     dimension: int = 0
+
+    def adopt(self, params: dict[str, torch.Tensor]) -> None:
+        """Take parameter values that did not come from the chain's last step."""
+        if params is self.returned:
+            return
+        with torch.no_grad():
+            for name, theta in self.state.params.items():
+                value = params.get(name)
+                if value is not None and value is not theta:
+                    theta.copy_(value)
+
+    def replay(self, store: Checkpoint, function_monitor: FunctionSpaceMonitor | None) -> None:
+        """Return the draw a resumed chain kept before (the checkpoint's), following it in
+        the convergence checks as if it were drawn again."""
+        iteration = self.state.iteration
+        self.returned = store.replay(iteration)
+        if iteration >= self.warmup_steps:
+            self.kept.monitor.add(self.kept.monitor.coordinates(self.returned).tolist())
+            if function_monitor is not None:
+                function_monitor.add(self.returned)
+
+    def constrained_values(self, device: str | torch.device | None = None) -> dict:
+        """A detached copy of the current values of every site, in its support, on
+        ``device`` (default: where the parameters are; to the CPU one transfer per dtype)."""
+        with torch.no_grad():
+            values = {
+                name: self.target.constrain(name, z).detach()
+                for name, z in self.state.params.items()
+            }
+            if device is None:
+                return {name: value.clone() for name, value in values.items()}
+            return copied_to(values, torch.device(device))
 
     def standard_normal(self) -> list[torch.Tensor]:
         """Fresh N(0, I) noise shaped like the parameters (rank 0's when data-parallel)."""
@@ -118,20 +152,30 @@ def start(kernel, warmup_steps: int, args: tuple, kwargs: dict, given: dict | No
     return run
 
 
-def finished_chain_warning(kernel) -> tuple[str | None, tuple[str, type] | None]:
-    """What is wrong with the finished chain of ``kernel``: the method's equilibrium and
-    the adaptation's warnings (one sentence or None), and the convergence check's
-    ``(message, category)`` with its advice (None at temperature 0, where the chain is
-    an optimiser whose draws are not meant to mix, or when it converged)."""
+def check(kernel) -> None:
+    """Warn once per chain of ``kernel`` if its draws are off the stationary law (the
+    method's equilibrium and the adaptation's warnings) or have not converged (not at
+    temperature 0, where the chain is an optimiser whose draws are not meant to mix).
+    Called from the kernel's ``diagnostics`` and ``cleanup`` (a chain whose set-up
+    failed has nothing to judge)."""
     run = kernel.run
-    found = [kernel.equilibrium_warning(), run.state.adaptation and run.state.adaptation.warning()]
-    message = "; ".join(m for m in found if m) or None
+    if run is None or run.checked or run.kept is None:
+        return
+    run.checked = True
+    name = type(kernel).__name__
+    adaptation = run.state.adaptation
+    found = [kernel.equilibrium_warning(), adaptation and adaptation.warning()]
+    message = "; ".join(m for m in found if m)
+    if message:
+        warnings.warn(f"{name}: {message}", RuntimeWarning, stacklevel=3)
     if kernel.temperature == 0:
-        return message, None
+        return
     converged = convergence_warning(run.kept.monitor, kernel.function_monitor)
-    if converged is not None and converged[1] is RuntimeWarning:
-        converged = (f"{converged[0]}; {_convergence_advice(kernel)}", converged[1])
-    return message, converged
+    if converged is not None:
+        message, category = converged
+        if category is RuntimeWarning:
+            message += f"; {_convergence_advice(kernel)}"
+        warnings.warn(f"{name}: {message}", category, stacklevel=3)
 
 
 def _convergence_advice(kernel) -> str:

@@ -142,8 +142,10 @@ class SGHMC(SGMCMCKernel):
     :param float mass: :math:`\sigma^2 > 0`.
     :param float temperature: :math:`T \ge 0`.
     :param kwargs: ``adapt_step_size``, ``adapt_mass_matrix``, ``target_excess``,
-        ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint`` and the rest
-        of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+        ``num_data``, ``thin``, ``schedule`` (see
+        :class:`~pyro_bdl.inference.sgmcmc.hyperparameters.Hyperparameters`),
+        ``init_params``, ``checkpoint`` and the rest of
+        :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
 
     Hyperparameters = SGHMCHyperparameters

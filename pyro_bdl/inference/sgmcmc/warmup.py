@@ -2,7 +2,7 @@
 
 The kernel composes its adaptation as Pyro's ``HMC`` composes its ``WarmupAdapter``: it
 asks :func:`new_adaptation` for one at set-up, then calls it at each warm-up step (see
-:class:`~pyro_bdl.inference.sgmcmc.adaptation.Adaptation` for the calls). The diagonal
+``Adaptation`` in :mod:`~pyro_bdl.inference.sgmcmc.adaptation` for the calls). The diagonal
 mass is :mod:`~pyro_bdl.inference.sgmcmc.adaptation`'s, the dense one
 :mod:`~pyro_bdl.inference.sgmcmc.dense`'s; the method's rules (how the step size scales
 with the mass, its bound, the statistic's memory) come from its hyperparameter record.
@@ -16,7 +16,7 @@ from pyro_bdl.inference.sgmcmc.adaptation import Adaptation
 from pyro_bdl.inference.sgmcmc.dense import DenseAdaptation, dense_by_default, one_device
 from pyro_bdl.inference.sgmcmc.hyperparameters import Hyperparameters
 
-__all__ = ["new_adaptation"]
+__all__ = ["WarmupResults", "new_adaptation"]
 
 
 def new_adaptation(
@@ -70,3 +70,34 @@ def new_adaptation(
             **settings,
         )
     return Adaptation(theta, warmup_steps, hyper.step_size, **settings)
+
+
+class WarmupResults:
+    """What warm-up found, as a kernel's properties (the kernel's ``state`` holds the
+    adaptation; its hyperparameters ``step_size`` and ``adapt_step_size``)."""
+
+    @property
+    def adapted_step_size(self) -> float | None:
+        """The step size the chain runs with after warm-up (None before set-up, or while
+        it is still to be found from the first gradient)."""
+        adaptation = None if self.state is None else self.state.adaptation
+        return self.step_size if adaptation is None else adaptation.step_size
+
+    @property
+    def stiffness(self) -> float | None:
+        """How much stiffer than the average (after the mass) the stiffest direction
+        found in warm-up is; the kept step size was lowered for it when above 1 (see
+        :mod:`~pyro_bdl.inference.sgmcmc.stiffness`). None without step-size adaptation."""
+        adaptation = None if self.state is None else self.state.adaptation
+        return None if adaptation is None or not self.adapt_step_size else adaptation.stiffness
+
+    @property
+    def inverse_mass_matrix(self) -> dict[str, torch.Tensor] | None:
+        """The adapted inverse mass per site (None when the mass is not adapted): the
+        diagonal :math:`D^{-1}` shaped like each site's unconstrained value (the
+        preconditioner of SGLD, the inverse mass of SGHMC and SGNHT over ``mass``); with
+        a dense mass one entry keyed by the tuple of every site's name (as Pyro's HMC
+        keys a ``full_mass`` group), the :math:`d \\times d` matrix over the flattened
+        values in order."""
+        adaptation = None if self.state is None else self.state.adaptation
+        return None if adaptation is None else adaptation.inverse_mass_matrix_of(self.state.params)
