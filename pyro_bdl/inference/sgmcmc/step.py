@@ -32,6 +32,7 @@ import torch
 from pyro_bdl.inference.sgmcmc.device import norm
 from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start, diagnose
 from pyro_bdl.inference.sgmcmc.state import StepInfo
+from pyro_bdl.likelihoods import ObservationError
 
 __all__ = ["keep_draw", "step", "step_size", "stop"]
 
@@ -43,10 +44,14 @@ def step(kernel, record: bool) -> None:
     state = run.state
     batch = args, kwargs = run.batches.next()
     average = run.data_parallel
-    with torch.enable_grad():
-        log_joint, grads = run.target.log_joint_and_grad(
-            state.params, args, kwargs, average=average
-        )
+    try:
+        with torch.enable_grad():
+            log_joint, grads = run.target.log_joint_and_grad(
+                state.params, args, kwargs, average=average
+            )
+    except ValueError as error:
+        _stop_if_moved_there(kernel, batch, error)
+        raise
     adaptation = state.adaptation
     state.adapting = adapting = adaptation is not None and state.iteration < run.warmup_steps
     if adapting:
@@ -155,6 +160,28 @@ def keep_draw(kernel) -> None:
         kernel.function_monitor.add(state.params)
     draw = functools.partial(kernel.constrained_values, device="cpu")
     kept.add(stats, draw, state.iteration - run.warmup_steps, state.iteration + 1)
+
+
+def _stop_if_moved_there(kernel, batch: tuple[tuple, dict], error: ValueError) -> None:
+    """Stop the chain if the model's ``error`` on this step's batch comes from where the
+    chain moved: a distribution's validation of a parameter the chain's values made
+    non-finite (a network's logits that overflowed), where the model at the chain's
+    start raises nothing on the same batch. An error the start raises too, or labels
+    outside the support, is the model's or the data's, and propagates as it is."""
+    if isinstance(error, ObservationError):
+        return
+    run = kernel.run
+    start = {
+        name: z.detach().clone().requires_grad_(True) for name, z in run.initial_params.items()
+    }
+    try:
+        with torch.enable_grad():
+            run.target.log_joint_and_grad(start, *batch)
+    except ValueError:
+        return
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    symptom = f"the model raised a ValueError at the chain's values ({message})"
+    _diverged(kernel, StepInfo(run.state.step, batch, math.nan), symptom)
 
 
 def _diverged(kernel, info: StepInfo, symptom: str) -> None:
