@@ -183,6 +183,10 @@ class Adaptation:
         ranks take rank 0's mass and step size at every change.
     """
 
+    #: Whether the mass adapted is this class's diagonal one (its buffers, the size of
+    #: the model, are then allocated; the dense adaptation keeps its own metric instead).
+    _diagonal = True
+
     def __init__(
         self,
         theta: list[torch.Tensor],
@@ -223,7 +227,7 @@ class Adaptation:
         #: stiffness.py), measured in the slow windows.
         self.stiffness = 1.0
         self._stiff = StiffDirection(theta) if adapt_step_size else None
-        if adapt_mass_matrix:
+        if adapt_mass_matrix and self._diagonal:
             self._mass = FlatBuffers(theta)  # holds D^{-1/2}, the scale of the update
             self._means = FlatBuffers(theta)
             self._squares = FlatBuffers(theta)  # second moments, or sums of squares
@@ -383,8 +387,9 @@ class Adaptation:
         if self.adapt_mass_matrix and self._in_slow_window:
             self._end_slow_window()
         if self.adapt_mass_matrix and self._window < len(self._windows) - 1:
-            for flat in (*self._means.flats, *self._squares.flats):
-                flat.zero_()
+            if self._mass is not None:
+                for flat in (*self._means.flats, *self._squares.flats):
+                    flat.zero_()
             self._count = 0
         self._window += 1
         if last:

@@ -215,6 +215,9 @@ class DenseAdaptation(Adaptation):
     :param kwargs: as :class:`Adaptation`'s (``adapt_mass_matrix`` must be True).
     """
 
+    # no diagonal buffers: the update runs with the unit mass on whitened coordinates
+    _diagonal = False
+
     def __init__(
         self,
         theta: list[torch.Tensor],
@@ -322,11 +325,6 @@ class DenseAdaptation(Adaptation):
         # fresh momenta after a change of metric in the start buffer too: whitened momenta
         # kept would move the chain as far as the metric grew
         return more or refreshed
-
-    @property
-    def unit_scale(self) -> None:
-        # the update runs with the unit mass on whitened coordinates (see apply)
-        return None
 
     def begin(self, gradient_at, params, grads) -> None:
         self.start(largest_curvature(gradient_at, params, grads))

@@ -115,10 +115,10 @@ def test_state_is_safetensors_with_json_settings_and_rng(tmp_path):
     with safe_open(path, framework="pt") as handle:
         keys = set(handle.keys())
         state = json.loads(handle.metadata()["state"])
-    adapted = {f"adaptation/{name}/0" for name in ("scale", "means", "squares")}
     stiff = {"direction/0", "next/0", "block/0", "slope/0", "sums"}
-    adapted |= {f"adaptation/stiff/{name}" for name in stiff}
-    # four parameters: a dense mass (dense.py), its factor and its window's sums
+    adapted = {f"adaptation/stiff/{name}" for name in stiff}
+    # four parameters: a dense mass (dense.py), its factor and its window's sums, and
+    # none of the diagonal mass's buffers
     dense = ("factor", "theta", "theta2", "grad", "cross", "halves")
     adapted |= {f"adaptation/dense/{name}" for name in dense}
     assert keys == {
