@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,9 +36,9 @@ class SGMCMCKernel(Method, WarmupResults, MCMCKernel):
     record, ``init`` and ``update`` (see :class:`~pyro_bdl.inference.sgmcmc.method.Method`).
 
     The hyperparameters (``step_size``, ``temperature``, ``adapt_step_size``, ...) are
-    those of :class:`~pyro_bdl.inference.sgmcmc.hyperparameters.Hyperparameters` and read
-    as the kernel's attributes. The chain's state is ``kernel.state``, the last step's
-    :class:`~pyro_bdl.inference.sgmcmc.state.StepInfo` is ``kernel.info``.
+    those of :class:`~pyro_bdl.inference.sgmcmc.hyperparameters.Hyperparameters`, read and
+    set (a new record, validated) as the kernel's attributes. The chain's state is
+    ``kernel.state``, the last step's ``StepInfo`` is ``kernel.info``.
 
     :param callable model: a Pyro model; DataLoader arguments of ``MCMC.run`` are
         replaced by a fresh minibatch at every step.
@@ -92,17 +92,21 @@ class SGMCMCKernel(Method, WarmupResults, MCMCKernel):
         self.run: chain_run.ChainRun | None = None  # the chain set up last
 
     def __getattr__(self, name: str):
-        # the hyperparameters read as the kernel's attributes (kernel.step_size, ...)
+        # the hyperparameters read and set as the kernel's attributes (kernel.step_size)
         hyper = self.__dict__.get("hyper")
-        if hyper is not None and name in {f.name for f in fields(hyper)}:
+        if hyper is not None and name in hyper.names():
             return getattr(hyper, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        hyper = self.__dict__.get("hyper")
+        if hyper is not None and name in hyper.names():
+            name, value = "hyper", replace(hyper, **{name: value})  # validated
+        super().__setattr__(name, value)
 
     def hyperparameters(self) -> dict:
         """The kernel's settings, JSON-serialisable (for ArviZ attributes and checkpoints)."""
         return self.hyper.as_dict(type(self).__name__, self.num_data)
-
-    # -- Pyro's MCMCKernel interface -------------------------------------------------
 
     @property
     def initial_params(self) -> dict[str, torch.Tensor] | None:
@@ -145,9 +149,8 @@ class SGMCMCKernel(Method, WarmupResults, MCMCKernel):
         return run.returned
 
     def logging(self) -> dict:
-        """The progress bar's figures: the step size and ``lp``, the minibatch log
-        likelihood plus the priors that are not isotropic normals (no pass over the
-        weights per step; the statistic ``potential_energy`` is the whole log joint)."""
+        """The progress bar's figures: the step size and ``lp``, the minibatch log likelihood
+        and non-isotropic priors (``potential_energy`` of each draw is the whole log joint)."""
         step_size = self.info.step_size if self.info else self.step_size or math.nan
         return {"step_size": f"{step_size:.2e}", "lp": f"{-self.state.potential_energy:.4g}"}
 
@@ -167,8 +170,6 @@ class SGMCMCKernel(Method, WarmupResults, MCMCKernel):
         if self.kept is not None:  # Pyro holds its own copy of every draw now
             self.kept.release()
 
-    # -- the chain -------------------------------------------------------------------
-
     state = property(lambda self: None if self.run is None else self.run.state)
     info = property(lambda self: None if self.run is None else self.run.info)
     kept = property(lambda self: None if self.run is None else self.run.kept)
@@ -185,8 +186,7 @@ class SGMCMCKernel(Method, WarmupResults, MCMCKernel):
         return step.step_size(self)
 
     def standard_normal(self) -> list[torch.Tensor]:
-        """Fresh N(0, I) noise shaped like the parameters: one draw into one flat buffer
-        per dtype and device, viewed per parameter."""
+        """Fresh N(0, I) noise shaped like the parameters (one draw per dtype and device)."""
         return self.run.standard_normal()
 
     def constrained_values(self, device: str | torch.device | None = None) -> dict:

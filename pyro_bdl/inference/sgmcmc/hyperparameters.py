@@ -11,6 +11,7 @@ which depend on these values alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -108,6 +109,11 @@ class Hyperparameters:
             schedule=schedule,
         )
 
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        """The record's field names."""
+        return _names(cls)
+
     def _set(self, **values) -> None:
         """Store the validated (converted) values in the frozen record."""
         for name, value in values.items():
@@ -143,4 +149,9 @@ class Hyperparameters:
         return math.inf
 
 
-_SHARED = {f.name for f in fields(Hyperparameters)}
+@functools.cache
+def _names(record: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(record))
+
+
+_SHARED = _names(Hyperparameters)
