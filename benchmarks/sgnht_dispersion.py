@@ -43,7 +43,7 @@ from pyro_bdl.inference import SGHMC, SGNHT
 class OldSGNHT(SGNHT):
     """SGNHT before issue 21: the explicit Euler step of Appendix B.3, target T."""
 
-    def _update(self, theta, grads, step_size):
+    def update(self, theta, grads, step_size):
         m = self.momenta
         kinetic = self.kinetic_energy() / self.dimension
         torch._foreach_add_(theta, m, alpha=step_size / self.mass)

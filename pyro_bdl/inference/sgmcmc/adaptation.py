@@ -109,6 +109,7 @@ robust Bayesian neural networks. NeurIPS 2016.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from pyro.infer.mcmc.adaptation import WarmupAdapter
@@ -153,11 +154,15 @@ _PRIOR_COUNT = 5
 class Adaptation:
     """The warm-up adaptation of one chain: its mass, its step size and their schedule.
 
-    The kernel calls :meth:`observe_gradient` with each warm-up step's gradient before
-    its update, :meth:`observe_statistic` with the step's excess (see the module
+    A component the kernel's step calls (:mod:`~pyro_bdl.inference.sgmcmc.warmup` makes
+    it): :meth:`begin` at the chain's first step, :meth:`observe_gradient` with each
+    warm-up step's gradient before its update, :meth:`apply` to take the method's update
+    under the mass, :meth:`observe_statistic` with the step's excess (see the module
     docstring) when it has read it, and :meth:`end_step` after the step (which says when
-    to draw the momenta afresh); it reads :attr:`step_size` and :attr:`scale`
-    (:math:`D^{-1/2}` per parameter, or None without mass adaptation) for its update.
+    to draw the momenta afresh); the method's update reads ``step_size`` and
+    :attr:`unit_scale` (:math:`D^{-1/2}` per parameter, or None without mass adaptation).
+    The dense mass (``DenseAdaptation``, :mod:`~pyro_bdl.inference.sgmcmc.dense`)
+    answers the same calls.
 
     :param list theta: the chain's parameters (shapes, dtypes and devices of the mass).
     :param int warmup_steps: the number of warm-up steps.
@@ -177,6 +182,10 @@ class Adaptation:
     :param bool data_parallel: the chain is one chain across the ranks of a job: the
         ranks take rank 0's mass and step size at every change.
     """
+
+    #: Whether the mass adapted is this class's diagonal one (its buffers, the size of
+    #: the model, are then allocated; the dense adaptation keeps its own metric instead).
+    _diagonal = True
 
     def __init__(
         self,
@@ -218,12 +227,52 @@ class Adaptation:
         #: stiffness.py), measured in the slow windows.
         self.stiffness = 1.0
         self._stiff = StiffDirection(theta) if adapt_step_size else None
-        if adapt_mass_matrix:
+        if adapt_mass_matrix and self._diagonal:
             self._mass = FlatBuffers(theta)  # holds D^{-1/2}, the scale of the update
             self._means = FlatBuffers(theta)
             self._squares = FlatBuffers(theta)  # second moments, or sums of squares
             for flat in (*self._mass.flats, *self._means.flats, *self._squares.flats):
                 flat.zero_()
+
+    # -- the kernel's calls ----------------------------------------------------------
+
+    @property
+    def unit_scale(self) -> list[torch.Tensor] | None:
+        """The :math:`D^{-1/2}` the method's update applies itself (None: a unit mass)."""
+        return self.scale
+
+    def begin(
+        self,
+        gradient_at: Callable[[dict], list[torch.Tensor]],
+        params: dict[str, torch.Tensor],
+        grads: list[torch.Tensor],
+    ) -> None:
+        """At the chain's first step, given its gradient ``grads`` at ``params`` and
+        ``gradient_at`` (the gradient on the same batch at other values): nothing for a
+        diagonal mass."""
+
+    def apply(
+        self,
+        update: Callable[[list[torch.Tensor], list[torch.Tensor], float], None],
+        theta: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        step_size: float,
+        adapting: bool,
+    ) -> None:
+        """Take the method's ``update(theta, grads, step_size)`` under this mass (the
+        diagonal one is applied by the update itself, through :attr:`unit_scale`)."""
+        update(theta, grads, step_size)
+
+    def warning(self) -> str | None:
+        """A sentence saying the warm-up ended unconverged, or None."""
+        return None
+
+    def inverse_mass_matrix_of(self, params: dict[str, torch.Tensor]) -> dict | None:
+        """The adapted inverse mass per site of ``params`` (None when not adapted)."""
+        scale = self.scale
+        if scale is None:
+            return None
+        return {name: s.square() for name, s in zip(params, scale)}
 
     @property
     def scale(self) -> list[torch.Tensor] | None:
@@ -338,8 +387,9 @@ class Adaptation:
         if self.adapt_mass_matrix and self._in_slow_window:
             self._end_slow_window()
         if self.adapt_mass_matrix and self._window < len(self._windows) - 1:
-            for flat in (*self._means.flats, *self._squares.flats):
-                flat.zero_()
+            if self._mass is not None:
+                for flat in (*self._means.flats, *self._squares.flats):
+                    flat.zero_()
             self._count = 0
         self._window += 1
         if last:

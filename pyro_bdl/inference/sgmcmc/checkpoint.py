@@ -85,7 +85,7 @@ class Checkpoint:
         kernel = self.kernel
         settings = {
             **kernel.hyperparameters(),
-            "warmup_steps": kernel._warmup_steps,
+            "warmup_steps": kernel.run.warmup_steps,
             "sites": {name: list(theta.shape) for name, theta in kernel.state.params.items()},
         }
         return json.loads(json.dumps(settings))  # as it reads back from disk
@@ -102,7 +102,7 @@ class Checkpoint:
             )
         # A data-parallel chain is one chain on every rank: rank 0 writes it, and every
         # rank resumes from the same directory (a shared file system).
-        self._writer = not self.kernel._data_parallel or distributed.rank() == 0
+        self._writer = not self.kernel.run.data_parallel or distributed.rank() == 0
         if self._writer:
             self.directory.mkdir(parents=True, exist_ok=True)
         self._draws = DrawStore(self.directory / "draws.zarr", self.chain)
@@ -160,9 +160,9 @@ class Checkpoint:
     def replay(self, iteration: int) -> dict[str, torch.Tensor]:
         """What the kernel returned at a finished iteration (unconstrained values)."""
         kernel = self.kernel
-        if iteration < kernel._warmup_steps:
+        if iteration < kernel.run.warmup_steps:
             return {name: theta.detach() for name, theta in kernel.state.params.items()}
-        index = iteration - kernel._warmup_steps
+        index = iteration - kernel.run.warmup_steps
         start, block = self._replay_block or (-1, {})
         if not start <= index < start + len(next(iter(block.values()), ())):
             start = index

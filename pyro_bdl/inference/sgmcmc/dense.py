@@ -215,6 +215,9 @@ class DenseAdaptation(Adaptation):
     :param kwargs: as :class:`Adaptation`'s (``adapt_mass_matrix`` must be True).
     """
 
+    # no diagonal buffers: the update runs with the unit mass on whitened coordinates
+    _diagonal = False
+
     def __init__(
         self,
         theta: list[torch.Tensor],
@@ -322,6 +325,28 @@ class DenseAdaptation(Adaptation):
         # fresh momenta after a change of metric in the start buffer too: whitened momenta
         # kept would move the chain as far as the metric grew
         return more or refreshed
+
+    def begin(self, gradient_at, params, grads) -> None:
+        self.start(largest_curvature(gradient_at, params, grads))
+
+    def apply(self, update, theta, grads, step_size, adapting) -> None:
+        # the unit-mass update of z = L^{-1} theta, then theta += L (z' - z)
+        update(self.displacement(), self.whiten(grads, clip=adapting), step_size)
+        self.move(theta)
+
+    def warning(self) -> str | None:
+        if not self.drift > DRIFT_TOLERANCE:  # (a NaN drift is no finding)
+            return None
+        return (
+            f"warm-up had not converged when it fixed the dense mass: the means of the "
+            f"halves of its last window differ by {self.drift:.2g} posterior sds "
+            f"(more than {DRIFT_TOLERANCE:g}); run more warmup_steps (the last window "
+            "doubles with them)"
+        )
+
+    def inverse_mass_matrix_of(self, params: dict[str, torch.Tensor]) -> dict:
+        # keyed by the tuple of every site's name, as Pyro's HMC keys a full_mass group
+        return {tuple(params): self.inverse_mass_matrix}
 
     @property
     def inverse_mass_matrix(self) -> torch.Tensor:

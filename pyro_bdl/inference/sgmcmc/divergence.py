@@ -27,7 +27,9 @@ __all__ = ["DivergenceError", "describe_start", "diagnose"]
 
 
 class DivergenceError(RuntimeError):
-    """A chain produced a non-finite potential or parameter and was stopped.
+    """A chain produced a non-finite potential or parameter and was stopped (or its values
+    made a distribution's parameter invalid, which Pyro's validation, when on, rejects
+    with a ValueError that the model at the chain's start does not raise).
 
     The message says what was non-finite at that step: the data, a prior or one of its
     parameters, a likelihood parameter (a hyperparameter of the model), the gradient,

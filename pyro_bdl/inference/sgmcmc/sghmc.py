@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -15,6 +16,7 @@ from pyro_bdl.inference.sgmcmc.equilibrium import (  # noqa: F401 (public names 
     kinetic_advice,
     kinetic_warning,
 )
+from pyro_bdl.inference.sgmcmc.hyperparameters import Hyperparameters
 from pyro_bdl.inference.sgmcmc.state import ChainState
 
 __all__ = ["SGHMC"]
@@ -28,6 +30,41 @@ class SGHMCState(ChainState):
     SAVED = ("momenta",)
 
     momenta: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGHMCHyperparameters(Hyperparameters):
+    """SGHMC's hyperparameters: the shared ones, the friction :math:`\\alpha \\ge 0` and
+    the mass :math:`\\sigma^2 > 0`."""
+
+    #: Time runs as the square root of mass over curvature.
+    step_exponent: ClassVar[float] = 0.5
+
+    friction: float = 1.0
+    mass: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        friction = real("friction", self.friction, non_negative=True)
+        mass = real("mass", self.mass, positive=True)
+        self._set(friction=friction, mass=mass)
+        damping = None if self.step_size is None else self.step_size * friction / mass
+        if damping is not None and damping >= 2:
+            raise ValueError(
+                f"step_size * friction / mass must be below 2, got {self.step_size:g} * "
+                f"{friction:g} / {mass:g} = {damping:g}: each step multiplies the "
+                f"momentum by 1 - step_size * friction / mass = {1 - damping:g}, so it grows "
+                "without bound; lower step_size or friction, or raise mass (below 1 the "
+                "momentum keeps its sign, as SGD's momentum)"
+            )
+
+    def max_adapted_step_size(self) -> float:
+        # step_size * friction / mass <= 1: the momentum keeps its sign, as SGD's does.
+        return self.mass / self.friction if self.friction > 0 else math.inf
+
+    def relaxation_rate(self) -> float:
+        # the kinetic energy forgets at the friction's rate
+        return self.friction / self.mass
 
 
 class SGHMC(SGMCMCKernel):
@@ -105,9 +142,13 @@ class SGHMC(SGMCMCKernel):
     :param float mass: :math:`\sigma^2 > 0`.
     :param float temperature: :math:`T \ge 0`.
     :param kwargs: ``adapt_step_size``, ``adapt_mass_matrix``, ``target_excess``,
-        ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint`` and the rest
-        of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+        ``num_data``, ``thin``, ``schedule`` (see
+        :class:`~pyro_bdl.inference.sgmcmc.hyperparameters.Hyperparameters`),
+        ``init_params``, ``checkpoint`` and the rest of
+        :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
+
+    Hyperparameters = SGHMCHyperparameters
 
     def __init__(
         self,
@@ -118,23 +159,9 @@ class SGHMC(SGMCMCKernel):
         temperature: float = 1.0,
         **kwargs,
     ):
-        super().__init__(model, step_size, temperature, **kwargs)
-        self.friction = real("friction", friction, non_negative=True)
-        self.mass = real("mass", mass, positive=True)
-        damping = None if self.step_size is None else self.step_size * self.friction / self.mass
-        if damping is not None and damping >= 2:
-            raise ValueError(
-                f"step_size * friction / mass must be below 2, got {self.step_size:g} * "
-                f"{self.friction:g} / {self.mass:g} = {damping:g}: each step multiplies the "
-                f"momentum by 1 - step_size * friction / mass = {1 - damping:g}, so it grows "
-                "without bound; lower step_size or friction, or raise mass (below 1 the "
-                "momentum keeps its sign, as SGD's momentum)"
-            )
+        super().__init__(model, step_size, temperature, friction=friction, mass=mass, **kwargs)
 
-    def hyperparameters(self) -> dict:
-        return {**super().hyperparameters(), "friction": self.friction, "mass": self.mass}
-
-    def _new_state(self, params: dict[str, torch.Tensor]) -> SGHMCState:
+    def init(self, params: dict[str, torch.Tensor]) -> SGHMCState:
         return SGHMCState(params, momenta=[torch.zeros_like(t) for t in params.values()])
 
     @property
@@ -142,7 +169,7 @@ class SGHMC(SGMCMCKernel):
         """The chain's momenta, one tensor per site (updated in place)."""
         return self.state.momenta
 
-    def _extra_stats(self) -> dict[str, torch.Tensor | float]:
+    def extra_stats(self) -> dict[str, torch.Tensor | float]:
         if self.state is None:  # names only, before set-up
             return {"kinetic_temperature": math.nan}
         return {"kinetic_temperature": self.kinetic_energy() * (self.num_data / self.dimension)}
@@ -155,7 +182,7 @@ class SGHMC(SGMCMCKernel):
         """The momenta's factor per step, ``1 - step_size * friction / mass``."""
         return 1 - step_size * self.friction / self.mass
 
-    def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
+    def update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         m, scale, num_data = self.state.momenta, self.state.scale, self.num_data
         torch._foreach_mul_(m, self._decay(step_size))
         if scale is None:
@@ -174,26 +201,15 @@ class SGHMC(SGMCMCKernel):
 
     # -- warm-up adaptation ----------------------------------------------------------
 
-    #: Time runs as the square root of mass over curvature.
-    _step_exponent = 0.5
-
-    def _max_adapted_step_size(self) -> float:
-        # step_size * friction / mass <= 1: the momentum keeps its sign, as SGD's does.
-        return self.mass / self.friction if self.friction > 0 else math.inf
-
-    def _relaxation_rate(self) -> float:
-        # the kinetic energy forgets at the friction's rate
-        return self.friction / self.mass
-
     def _free_kinetic_temperature(self, step_size: float) -> float:
         """The kinetic temperature of these discretised momenta for a free particle."""
         return self.temperature / (1 - step_size * self.friction / (2 * self.mass))
 
-    def _adaptation_statistic(self, step_size: float) -> torch.Tensor:
+    def adaptation_statistic(self, step_size: float) -> torch.Tensor:
         kinetic = self.kinetic_energy() * (self.num_data / self.dimension)
         return kinetic / self._free_kinetic_temperature(step_size) - 1
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
         # A Gibbs draw of the momenta from their stationary law, independent of theta.
         variance = self.mass * self._free_kinetic_temperature(self.current_step_size())
         momenta = self.state.momenta
@@ -204,7 +220,7 @@ class SGHMC(SGMCMCKernel):
 
     # -- equilibrium (see pyro_bdl.inference.sgmcmc.equilibrium) ---------------------
 
-    def _equilibrium_warning(self) -> str | None:
+    def equilibrium_warning(self) -> str | None:
         # The target, the rate and the advice are this method's (SGNHT's differ).
         rules = (self._kinetic_target, self._decorrelation_rate, self._equilibrium_advice)
         return kinetic_warning(self.kept.stats, self.temperature, self.thin, self.dimension, *rules)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pyro_bdl.inference.sgmcmc.base import SGMCMCKernel
+from pyro_bdl.inference.sgmcmc.hyperparameters import Hyperparameters
 from pyro_bdl.inference.sgmcmc.state import ChainState
 
 __all__ = ["SGLD"]
@@ -26,6 +27,12 @@ class SGLDState(ChainState):
 
     drift_norm: torch.Tensor | None = None
     inverse_mass: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLDHyperparameters(Hyperparameters):
+    """SGLD's hyperparameters: the shared ones (the step size scales as mass over
+    curvature, ``step_exponent`` 1)."""
 
 
 class SGLD(SGMCMCKernel):
@@ -77,17 +84,21 @@ class SGLD(SGMCMCKernel):
     :param float step_size: :math:`\epsilon` (with adaptation, where it starts).
     :param float temperature: :math:`T \ge 0`.
     :param kwargs: ``adapt_step_size``, ``adapt_mass_matrix``, ``target_excess``,
-        ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint`` and the rest
-        of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+        ``num_data``, ``thin``, ``schedule`` (see
+        :class:`~pyro_bdl.inference.sgmcmc.hyperparameters.Hyperparameters`),
+        ``init_params``, ``checkpoint`` and the rest of
+        :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
+
+    Hyperparameters = SGLDHyperparameters
 
     def __init__(self, model, step_size: float | None = None, temperature: float = 1.0, **kwargs):
         super().__init__(model, step_size, temperature, **kwargs)
 
-    def _new_state(self, params: dict[str, torch.Tensor]) -> SGLDState:
+    def init(self, params: dict[str, torch.Tensor]) -> SGLDState:
         return SGLDState(params)
 
-    def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
+    def update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         state, num_data = self.state, self.num_data
         scale = state.scale
         noise_scale = math.sqrt(2 * step_size * self.temperature / num_data)
@@ -117,7 +128,7 @@ class SGLD(SGMCMCKernel):
             )
         torch._foreach_addcmul_(theta, grads, scale, value=step_size / num_data)
 
-    def _adaptation_statistic(self, step_size: float) -> torch.Tensor:
+    def adaptation_statistic(self, step_size: float) -> torch.Tensor:
         # SGLD is SGHMC with step_size * friction / mass = 1: its momentum, fresh noise
         # plus the kick, exceeds a free particle's kinetic temperature by
         # eps |D^{-1/2} g|^2 / (2 T N d) on average.

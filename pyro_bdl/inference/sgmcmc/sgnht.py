@@ -10,7 +10,7 @@ import torch
 
 from pyro_bdl import distributed
 from pyro_bdl.inference.sgmcmc.equilibrium import thermostat_advice
-from pyro_bdl.inference.sgmcmc.sghmc import SGHMC, SGHMCState
+from pyro_bdl.inference.sgmcmc.sghmc import SGHMC, SGHMCHyperparameters, SGHMCState
 
 __all__ = ["SGNHT"]
 
@@ -22,6 +22,26 @@ class SGNHTState(SGHMCState):
     SAVED = ("momenta", "thermostat")
 
     thermostat: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGNHTHyperparameters(SGHMCHyperparameters):
+    """SGNHT's hyperparameters: SGHMC's, with a positive friction (the injected noise)
+    at a positive temperature."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.temperature > 0 and self.friction == 0:
+            raise ValueError(
+                f"friction must be positive when temperature > 0, got 0 (temperature "
+                f"{self.temperature:g}): without injected noise SGNHT is deterministic "
+                "Nose-Hoover dynamics, which do not sample a Gaussian posterior; use e.g. "
+                "friction=1.0"
+            )
+
+    def max_adapted_step_size(self) -> float:
+        # step_size * friction / mass <= 1/2: room for the thermostat to double.
+        return super().max_adapted_step_size() / 2
 
 
 class SGNHT(SGHMC):
@@ -109,9 +129,13 @@ class SGNHT(SGHMC):
     :param float mass: :math:`\sigma^2 > 0`.
     :param float temperature: :math:`T \ge 0`.
     :param kwargs: ``adapt_step_size``, ``adapt_mass_matrix``, ``target_excess``,
-        ``num_data``, ``thin``, ``schedule``, ``init_params``, ``checkpoint`` and the rest
-        of :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
+        ``num_data``, ``thin``, ``schedule`` (see
+        :class:`~pyro_bdl.inference.sgmcmc.hyperparameters.Hyperparameters`),
+        ``init_params``, ``checkpoint`` and the rest of
+        :class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`.
     """
+
+    Hyperparameters = SGNHTHyperparameters
 
     def __init__(
         self,
@@ -123,15 +147,8 @@ class SGNHT(SGHMC):
         **kwargs,
     ):
         super().__init__(model, step_size, friction, mass, temperature, **kwargs)
-        if self.temperature > 0 and self.friction == 0:
-            raise ValueError(
-                f"friction must be positive when temperature > 0, got 0 (temperature "
-                f"{self.temperature:g}): without injected noise SGNHT is deterministic "
-                "Nose-Hoover dynamics, which do not sample a Gaussian posterior; use e.g. "
-                "friction=1.0"
-            )
 
-    def _new_state(self, params: dict[str, torch.Tensor]) -> SGNHTState:
+    def init(self, params: dict[str, torch.Tensor]) -> SGNHTState:
         like = next(iter(params.values()))
         return SGNHTState(
             params,
@@ -144,19 +161,19 @@ class SGNHT(SGHMC):
         """The thermostat :math:`\\xi`, a device scalar (updated in place)."""
         return self.state.thermostat
 
-    def _extra_stats(self) -> dict[str, torch.Tensor | float]:
+    def extra_stats(self) -> dict[str, torch.Tensor | float]:
         thermostat = math.nan if self.state is None else self.state.thermostat
-        return {**super()._extra_stats(), "thermostat": thermostat}
+        return {**super().extra_stats(), "thermostat": thermostat}
 
-    def _end_warmup(self) -> None:
+    def end_warmup(self) -> None:
         # A Gibbs draw of (m, xi) from their stationary law, independent of theta.
         if self.temperature == 0:
             return
         with torch.no_grad():
-            self._refresh()
+            self.refresh()
             spread = math.sqrt(self.temperature / (self.num_data * self.dimension))
             self.state.thermostat.normal_(self.friction, spread)
-        if self._data_parallel:
+        if self.run.data_parallel:
             distributed.broadcast_([self.state.thermostat])  # rank 0's draw, as for the noise
 
     def _decay(self, step_size: float) -> float | torch.Tensor:
@@ -164,11 +181,11 @@ class SGNHT(SGHMC):
             return super()._decay(step_size)  # held at the friction while adapting
         return 1 - (step_size / self.mass) * self.state.thermostat
 
-    def _update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
+    def update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         # Ding et al.'s Algorithm 2: the momentum moves first, and the position and the
         # thermostat move with the new momentum, as in SGHMC. Everything stays on the
         # device: no read of the thermostat per step.
-        super()._update(theta, grads, step_size)
+        super().update(theta, grads, step_size)
         state = self.state
         if state.adapting:
             return
@@ -181,10 +198,6 @@ class SGNHT(SGHMC):
         # Beyond mass / step_size the friction would reverse the momenta each step: the
         # chain is then too hot for its step, which the kinetic check at its end reports.
         state.thermostat.add_(step_size * (kinetic - target)).clamp_(max=self.mass / step_size)
-
-    def _max_adapted_step_size(self) -> float:
-        # step_size * friction / mass <= 1/2: room for the thermostat to double.
-        return super()._max_adapted_step_size() / 2
 
     def _kinetic_target(self) -> float:
         # The thermostat holds the kinetic temperature at the free particle's, for its

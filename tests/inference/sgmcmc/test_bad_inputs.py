@@ -224,8 +224,20 @@ def test_numpy_and_tensor_scalars_are_numbers(kernel_class):
         0.5,
         2,
     )
-    assert type(kernel.thin) is int and kernel._num_data_arg == NUM_DATA
+    assert type(kernel.thin) is int and kernel.hyper.num_data == NUM_DATA
     assert RobbinsMonro(b=np.float64(10.0), gamma=torch.tensor(1.0))(np.int64(10)) == 0.5
+
+
+def test_a_hyperparameter_set_on_the_kernel_is_validated_and_in_its_record():
+    kernel = SGHMC(_model, step_size=0.1)
+    kernel.step_size = np.float32(0.05)
+    assert kernel.step_size == pytest.approx(0.05) and type(kernel.step_size) is float
+    assert kernel.hyperparameters()["step_size"] == kernel.hyper.step_size == kernel.step_size
+    with pytest.raises(ValueError, match="step_size \\* friction / mass must be below 2"):
+        kernel.step_size = 10.0
+    with pytest.raises(ValueError, match="friction must be a non-negative"):
+        kernel.friction = -1.0
+    assert (kernel.step_size, kernel.friction) == (pytest.approx(0.05), 1.0)
 
 
 @pytest.mark.parametrize("kernel_class", [SGLD, SGHMC, SGNHT])

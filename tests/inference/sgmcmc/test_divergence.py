@@ -156,3 +156,56 @@ def test_a_divergence_at_step_0_says_where_the_chain_started():
     assert error.step == 0
     assert "the chain started at tau=inf (not finite), mu=0" in error.cause
     assert "init_params=init_to_mean" in error.cause and "init_to_median" in error.cause
+
+
+def _overflowing_classifier():
+    # The logits x * exp(s) are finite at the start (s = 0) and NaN once a step has thrown
+    # s past exp's overflow (0 * inf on the zero column), with s itself still finite.
+    def model(batch, num_data):
+        x, labels = batch
+        s = pyro.sample("s", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        bdl.observe("y", dist.Categorical(logits=x * s.exp()), labels, num_data)
+
+    x, _ = _data()
+    x[:, 0] = 0.0
+    labels = torch.randint(0, 3, (NUM_DATA,), generator=torch.Generator().manual_seed(1))
+    return model, x, labels
+
+
+def test_a_distribution_parameter_made_nan_by_a_huge_step_is_a_divergence():
+    # With Pyro's validation on (a kernel stepped without pyro.infer.MCMC, or
+    # disable_validation=False), the NaN logits raised a bare ValueError from the
+    # Categorical's constructor (the adapted SGHMC of benchmarks/sgmcmc_overhead.py's MLP).
+    model, x, labels = _overflowing_classifier()
+    mcmc = MCMC(
+        SGLD(model, step_size=1e3, temperature=0.0),
+        num_samples=20,
+        warmup_steps=0,
+        disable_progbar=True,
+        disable_validation=False,
+    )
+    with pytest.raises(DivergenceError) as error:
+        mcmc.run(_loader(x, labels), NUM_DATA)
+    cause = error.value.cause
+    assert error.value.step == 2 and len(error.value.draws["s"]) == 2
+    assert cause.startswith("the model raised a ValueError at the chain's values (Expected ")
+    assert "Categorical" in cause and "the chain itself blew up" in cause
+    assert "smaller step_size (now 1e+03)" in cause
+    assert isinstance(error.value.__context__, ValueError)
+
+
+def test_a_value_error_the_start_raises_too_propagates_as_it_is():
+    # Not the chain's doing: the model rejects the third batch wherever the chain is.
+    x, y = _data()
+
+    def model(batch, num_data):
+        x, y = batch
+        if bool((x[:, 0] > 10).any()):
+            raise ValueError("the model's own check")
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1))
+        bdl.observe("y", dist.Normal(x @ w, 0.5), y, num_data)
+
+    x[13, 0] = 11.0  # in the third batch
+    mcmc = MCMC(SGLD(model, step_size=1e-3), num_samples=10, disable_progbar=True)
+    with pytest.raises(ValueError, match="the model's own check"):  # not a DivergenceError
+        mcmc.run(_loader(x, y), NUM_DATA)

@@ -74,7 +74,7 @@ def test_thinning_runs_k_steps_per_kept_draw_and_warmup_one_each():
     kernel = SGHMC(model, step_size=1e-3, thin=4)
     mcmc = MCMC(kernel, num_samples=5, warmup_steps=3, disable_progbar=True)
     mcmc.run(_loader(), NUM_DATA)
-    assert kernel._step == 3 + 5 * 4
+    assert kernel.state.step == 3 + 5 * 4
     assert mcmc.get_samples()["weight"].shape == (5, 1, 3)
     stats = mcmc._diagnostics[0]["sample_stats"]
     assert {len(v) for v in stats.values()} == {5}
@@ -215,14 +215,14 @@ def test_resume_from_checkpoint_continues_and_replays(tmp_path):
     kernel = SGHMC(model, step_size=1e-2, checkpoint=tmp_path, checkpoint_every=2)
     first = MCMC(kernel, num_samples=4, warmup_steps=5, disable_progbar=True)
     first.run(_loader(), NUM_DATA)
-    steps_done = kernel._step
+    steps_done = kernel.state.step
 
     resumed_kernel = SGHMC(model, step_size=1e-2, checkpoint=tmp_path, checkpoint_every=2)
     resumed = MCMC(resumed_kernel, num_samples=7, warmup_steps=5, disable_progbar=True)
     resumed.run(_loader(), NUM_DATA)
     old, new = first.get_samples()["weight"], resumed.get_samples()["weight"]
     assert torch.equal(new[:4], old)  # replayed from disk, not recomputed
-    assert resumed_kernel._step == steps_done + 3
+    assert resumed_kernel.state.step == steps_done + 3
     assert not torch.equal(new[4], new[3])
     assert len(resumed_kernel.diagnostics()["sample_stats"]["step_size"]) == 7
 
@@ -250,7 +250,7 @@ def test_interrupted_run_resumes_after_the_last_saved_state(tmp_path):
     resumed = MCMC(resumed_kernel, num_samples=6, warmup_steps=0, disable_progbar=True)
     resumed.run(_loader(), NUM_DATA)
     assert torch.equal(resumed.get_samples()["weight"][:3], kept)
-    assert resumed_kernel._step == 6
+    assert resumed_kernel.state.step == 6
 
 
 def test_several_chains_through_pyro_mcmc():

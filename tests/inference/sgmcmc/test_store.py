@@ -86,9 +86,9 @@ def test_draws_kept_after_the_last_state_are_dropped_on_opening(tmp_path):
     mcmc = MCMC(kernel, num_samples=4, warmup_steps=0, disable_progbar=True)
     mcmc.run(_data(), NUM_DATA)
     # a run killed between writing draws and its state: two extra draws on disk
-    store = kernel._store.store
+    store = kernel.kept.checkpoint.store
     for _ in range(2):
-        store.append(kernel.constrained_values(), {key: 0.0 for key in kernel._stats})
+        store.append(kernel.constrained_values(), {key: 0.0 for key in kernel.kept.stats})
     store.flush()
     assert store.num_written == 6
     tree = bdl.to_arviz(tmp_path)

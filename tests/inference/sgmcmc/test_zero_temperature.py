@@ -109,5 +109,5 @@ def test_no_noise_is_drawn_at_zero_temperature():
     kernel = SGHMC(_model(bdl.lift(net)), 0.1, temperature=0.0)
     state = torch.get_rng_state()
     MCMC(kernel, num_samples=3, warmup_steps=0, disable_progbar=True).run(full_batch, NUM_DATA)
-    assert kernel._noise is None
+    assert kernel.run.noise is None
     assert torch.equal(torch.get_rng_state(), state)

@@ -1,0 +1,219 @@
+r"""The step every SGMCMC kernel takes, the draw it may end with, and the stop.
+
+One step replaces each DataLoader argument of the model by its next minibatch; evaluates
+the minibatch log joint :math:`\log p(\theta) + \frac{N}{B}\sum_{i \in \text{batch}} \log
+p(y_i \mid \theta)` and its gradient :math:`g` in one forward and backward pass; lets the
+warm-up adaptation see the gradient; and applies the method's ``update`` in place, under
+the adaptation's mass. Under ``torchrun`` (one chain across the ranks) the log joint and
+its gradient are averaged across ranks before the update (each rank's is scaled N /
+B_local, so their mean is the global batch's).
+
+**No device sync per step.** The potential energy stays on the device. A step reads one
+scalar, its potential, to stop a diverging chain: on the CPU at once (a read costs
+nothing there), on a GPU one step late, from a copy queued into pinned memory right after
+the potential was computed, so the read never waits for the work queued since.
+"Promptly" therefore means: before the update of the step whose potential is non-finite
+on the CPU, before the update of the next step on a GPU, and in every case before a draw
+is kept, so no non-finite draw is ever kept. The statistics of a kept draw (potential,
+gradient norm, kinetic temperature) are read together, once per kept draw.
+
+The functions take the kernel (an
+:class:`~pyro_bdl.inference.sgmcmc.base.SGMCMCKernel`): its hyperparameters, its method's
+``update`` and its chain, ``kernel.run``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from pyro_bdl.inference.sgmcmc.device import norm
+from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start, diagnose
+from pyro_bdl.inference.sgmcmc.state import StepInfo
+from pyro_bdl.likelihoods import ObservationError
+
+__all__ = ["keep_draw", "step", "step_size", "stop"]
+
+
+def step(kernel, record: bool) -> None:
+    """Take one kernel step; with ``record``, note the statistics of the state it starts
+    from (the last step of a kept draw)."""
+    run = kernel.run
+    state = run.state
+    batch = args, kwargs = run.batches.next()
+    average = run.data_parallel
+    try:
+        with torch.enable_grad():
+            log_joint, grads = run.target.log_joint_and_grad(
+                state.params, args, kwargs, average=average
+            )
+    except ValueError as error:
+        _stop_if_moved_there(kernel, batch, error)
+        raise
+    adaptation = state.adaptation
+    state.adapting = adapting = adaptation is not None and state.iteration < run.warmup_steps
+    if adapting:
+        if state.step == 0:
+
+            def gradient_at(params: dict) -> list[torch.Tensor]:
+                with torch.enable_grad():
+                    return run.target.log_joint_and_grad(params, args, kwargs, average=average)[1]
+
+            adaptation.begin(gradient_at, state.params, grads)
+        adaptation.observe_gradient(grads)
+    info = StepInfo(state.step, batch, step_size(kernel))
+    potential = -log_joint.autograd_value
+    if torch.is_tensor(potential):
+        potential = potential.detach()
+    if record:
+        # Device scalars of the state the step started from, read with the draw.
+        info.recorded = {
+            "potential_energy": potential - log_joint.analytic_prior_value(),
+            "grad_norm": norm(grads),
+        }
+    with torch.no_grad():
+        if adaptation is None:
+            kernel.update(state.theta, grads, info.step_size)
+        else:
+            adaptation.apply(kernel.update, state.theta, grads, info.step_size, adapting)
+        watched = potential
+        if adapting and kernel.adapt_step_size:
+            # The statistic travels with the potential: still one read per step.
+            statistic = kernel.adaptation_statistic(info.step_size)
+            watched = torch.stack([torch.as_tensor(potential).to(statistic), statistic])
+    ready = run.watch.push(watched, info)
+    if ready is not None:
+        _check_potential(kernel, *ready)
+    if adapting and adaptation.end_step(state.iteration):
+        with torch.no_grad():
+            kernel.refresh()
+    state.step += 1
+    run.info = info
+
+
+def _check_potential(kernel, value: float | list[float], info: StepInfo) -> None:
+    state = kernel.run.state
+    if isinstance(value, list):
+        value, statistic = value
+        state.adaptation.observe_statistic(statistic, value)
+    if not math.isfinite(value):
+        _diverged(kernel, info, f"the minibatch potential energy is {value}")
+    state.potential_energy = value
+
+
+def step_size(kernel) -> float:
+    """The step size of the next step: the given or adapted one, after the schedule."""
+    state = kernel.run.state
+    multiplier = kernel.schedule(state.step)
+    if type(multiplier) is not float or not 0 < multiplier < math.inf:
+        multiplier = _checked_multiplier(kernel, multiplier)
+    adaptation = state.adaptation
+    base = kernel.step_size if adaptation is None else adaptation.step_size
+    return base * multiplier
+
+
+def _checked_multiplier(kernel, multiplier: object) -> float:
+    step = kernel.run.state.step
+    try:
+        value = float(multiplier)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"schedule must return a number (a step-size multiplier), returned "
+            f"{type(multiplier).__name__} {multiplier!r} at step {step}"
+        ) from None
+    if not 0 < value < math.inf:
+        stop(
+            kernel,
+            step,
+            f"the step-size schedule {kernel.schedule!r} (a hyperparameter) returned the "
+            f"multiplier {value} at step {step}; it must be positive and finite",
+        )
+    return value
+
+
+def keep_draw(kernel) -> None:
+    """Keep the chain's current state as a draw, with its statistics: one read of the
+    device (the statistics, the largest :math:`|\\theta|` and the coordinates the
+    convergence check follows); a non-finite one stops the chain instead."""
+    run = kernel.run
+    state, info, kept = run.state, run.info, run.kept
+    extra = kernel.extra_stats()
+    names = [*info.recorded, *extra]
+    device_stats = {**info.recorded, **extra}
+    scalars = [torch.as_tensor(device_stats[key]).reshape(()) for key in names]
+    largest = torch.stack(torch._foreach_norm(state.theta, ord=math.inf)).max()
+    followed = kept.monitor.coordinates(state.params).to(largest)
+    read = torch.cat([torch.stack([s.to(largest) for s in scalars] + [largest]), followed])
+    read = read.tolist()
+    kept.monitor.add(read[len(names) + 1 :])
+    read = read[: len(names) + 1]
+    stats = dict(zip(names, read))
+    if not math.isfinite(read[-1]):
+        bad = [name for name, t in state.params.items() if not bool(torch.isfinite(t).all())]
+        _diverged(kernel, info, f"parameter {bad[0]!r} has non-finite values")
+    if not math.isfinite(stats["potential_energy"]):
+        _diverged(kernel, info, f"the potential energy is {stats['potential_energy']}")
+    stats.update(step_size=info.step_size, temperature=kernel.temperature)
+    if kernel.function_monitor is not None:  # one forward pass on the probe batch
+        kernel.function_monitor.add(state.params)
+    draw = functools.partial(kernel.constrained_values, device="cpu")
+    kept.add(stats, draw, state.iteration - run.warmup_steps, state.iteration + 1)
+
+
+def _stop_if_moved_there(kernel, batch: tuple[tuple, dict], error: ValueError) -> None:
+    """Stop the chain if the model's ``error`` on this step's batch comes from where the
+    chain moved: a distribution's validation of a parameter the chain's values made
+    non-finite (a network's logits that overflowed), where the model at the chain's
+    start raises nothing on the same batch. An error the start raises too, or labels
+    outside the support, is the model's or the data's, and propagates as it is."""
+    if isinstance(error, ObservationError):
+        return
+    run = kernel.run
+    start = {
+        name: z.detach().clone().requires_grad_(True) for name, z in run.initial_params.items()
+    }
+    try:
+        with torch.enable_grad():
+            run.target.log_joint_and_grad(start, *batch)
+    except ValueError:
+        return
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    symptom = f"the model raised a ValueError at the chain's values ({message})"
+    _diverged(kernel, StepInfo(run.state.step, batch, math.nan), symptom)
+
+
+def _diverged(kernel, info: StepInfo, symptom: str) -> None:
+    run = kernel.run
+    cause = diagnose(
+        symptom,
+        run.target,
+        info.batch,
+        run.initial_params,
+        run.state.params,
+        step=info.step,
+        kernel=type(kernel).__name__,
+        last_potential=run.state.potential_energy,
+        step_size=kernel.current_step_size,
+    )
+    if info.step == 0:
+        start = describe_start(run.target, run.initial_params, kernel.init_params)
+        cause += f"; the chain started at {start}"
+    stop(kernel, info.step, cause)
+
+
+def stop(kernel, step: int, cause: str) -> None:
+    """Stop the chain at ``step`` with a :class:`DivergenceError` that holds the draws
+    kept before it."""
+    kept = kernel.run.kept
+    draws = kept.draws()
+    number = len(next(iter(draws.values()))) if draws else 0
+    raise DivergenceError(
+        f"{type(kernel).__name__} diverged at step {step}: {cause}. The {number} draws kept "
+        "before it are in this error's .draws and in kernel.get_draws()",
+        step=step,
+        draws=draws,
+        sample_stats=kept.sample_stats(),
+        cause=cause,
+    )
