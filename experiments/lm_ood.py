@@ -22,7 +22,10 @@ Here, with the same structure at laptop scale:
   7.6 for a uniform guess, and scored English and Samoan alike. The byte-level base
   reaches 2.2 nats per byte on English FLORES and 4.3 on Samoan in 1,000 steps.) With
   ``--model PATH`` any local Hugging Face causal LM and its own tokenizer are the base
-  instead and nothing is pretrained (the paper's set-up on a GPU: ``--device cuda``).
+  instead and nothing is pretrained (the paper's set-up on a GPU: ``--device cuda``). On
+  a CPU such a base runs the ``"pretrained"`` sizes of :data:`SETTINGS` (fewer sentences,
+  chains and draws: SmolLM2-135M costs about 150 times the byte model per token), and the
+  frozen layers below the adapted one run once per sentence (:class:`SentencePrefix`).
 - **the fine-tune** (TQA's role): the English FLORES-200 ``dev`` sentences (797 for
   training, the last 200 for validation; the first 128 tokens of each), next-token
   likelihood over every token of a sentence (:class:`~pyro_bdl.models.NextToken`), 5
@@ -75,6 +78,9 @@ Outputs in ``--out``: ``results.json``, ``lm_ood.md`` (the table), ``lm_ood_hist
 Run::
 
     python -m experiments lm-ood --data-dir ../shared/data --out results/lm_ood
+    SMOLLM2=$(python -c "from pyro_bdl.models import smollm2; print(smollm2.smollm2_directory())")
+    python -m experiments lm-ood --data-dir ../shared/data --out results/lm-ood-smollm2 \
+        --model "$SMOLLM2"
     python -m experiments lm-ood --data-dir ../shared/data --out results/lm_ood_gpu \
         --device cuda --model path/to/Meta-Llama-3-8B
 """
@@ -91,6 +97,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch.utils.data import ConcatDataset
 
+from experiments.llm_learnability import FrozenPrefix
 from experiments.lora_finetune import _quiet, checkpoint, single_thread
 from experiments.ood import LANGUAGES, _auroc
 from experiments.runner import Experiment, markdown_table, mean_sd
@@ -112,7 +119,15 @@ from pyro_bdl.plots import plot_uncertainty_histograms
 from pyro_bdl.predict import guide_draw
 from pyro_bdl.priors import IIDNormal
 
-__all__ = ["run", "METHODS", "SETTINGS", "OPTIONS", "last_word", "sghmc_parameters"]
+__all__ = [
+    "run",
+    "METHODS",
+    "SETTINGS",
+    "OPTIONS",
+    "SentencePrefix",
+    "last_word",
+    "sghmc_parameters",
+]
 
 METHODS = ("Base", "SGD", "SGHMC-serial", "SGHMC-parallel", "Laplace", "BLoB")
 #: The runner's options this experiment takes beyond the common ones.
@@ -131,6 +146,7 @@ SETTINGS = {
         "base_steps": 1000,
         "base_batch_size": 32,
         "base_learning_rate": 3e-3,
+        "train_sentences": None,  # every dev sentence not held out
         "validation_sentences": 200,
         "max_length": 128,
         "test_sentences": 500,
@@ -159,6 +175,7 @@ SETTINGS = {
         "base_steps": 5,
         "base_batch_size": 8,
         "base_learning_rate": 3e-3,
+        "train_sentences": 48,
         "validation_sentences": 16,
         "max_length": 48,
         "test_sentences": 24,
@@ -178,10 +195,27 @@ SETTINGS = {
         "eval_batch_size": 64,
     },
 }
+#: A pretrained base (``--model``) on a CPU: the full run's recipe on fewer sentences,
+#: fewer chains and draws: 37 minutes of one core for SmolLM2-135M, seeds 0-2 (its forward
+#: costs about 150 times the byte model's: a 49,152-token head and 30 layers).
+SETTINGS["pretrained"] = {
+    **SETTINGS["full"],
+    "train_sentences": 128,
+    "validation_sentences": 48,
+    "test_sentences": 100,  # the paper's 100 statements
+    "context": 32,
+    "batch_size": 8,
+    "epochs": 3,
+    "learning_rates": (3e-3, 1e-2, 3e-2),
+    "blob_learning_rates": (3e-3, 1e-2),
+    "chains": 4,
+    "serial_draws": 4,
+    "laplace_samples": 4,
+    "blob_samples": 4,
+    "eval_batch_size": 32,
+}
 #: Characters of the books that the quick run's tokenizer and base see (per book).
 _QUICK_BOOK_CHARACTERS = 20_000
-#: The quick run's fine-tuning sentences (the full run: every dev sentence).
-_QUICK_TRAIN_SENTENCES = 48
 #: The most tokens of a last word that are scored (longer words: their first ones).
 _MAX_WORD_TOKENS = 16
 
@@ -194,7 +228,7 @@ def run(experiment: Experiment) -> dict:
         its ``model`` a local Hugging Face causal LM to use as the base.
     :return: the table (mean ± sd over seeds), per-seed numbers and the choices made.
     """
-    settings = SETTINGS["quick" if experiment.quick else "full"]
+    settings = SETTINGS[_tier(experiment)]
     experiment.selected("datasets", ["flores"])
     methods = experiment.selected("methods", METHODS)
     with single_thread():
@@ -236,6 +270,12 @@ def run(experiment: Experiment) -> dict:
     return results
 
 
+def _tier(experiment: Experiment) -> str:
+    if experiment.quick:
+        return "quick"
+    return "pretrained" if experiment.model is not None and not experiment.on_gpu else "full"
+
+
 def last_word(text: str) -> tuple[str, str] | None:
     """``text`` cut before its last word: ``(prompt, word)``, trailing punctuation dropped.
 
@@ -263,10 +303,15 @@ class _Data:
     def __init__(self, experiment: Experiment, settings: Mapping):
         self.experiment, self.settings = experiment, settings
         self.device = experiment.device
+        self.prefix = None
         if experiment.model is not None:
             self.base = Path(experiment.model)
             self.tokenizer = _pretrained_tokenizer(self.base)
             self.description = f"{self.base} (given with --model)"
+            # LoRA adapts the last layer only: the frozen ones below run once per sentence
+            self.prefix = SentencePrefix(
+                lora_model_base(self.base, self.device), self.tokenizer.pad_token_id
+            )
         else:
             self.base = experiment.out / "base"
             self.tokenizer = _BaseTrainer(experiment, settings).base()
@@ -276,7 +321,7 @@ class _Data:
         sentences = load("flores", experiment.data_dir, TRAIN_SPLIT, language="eng_Latn")
         texts = [record["text"] for record in sentences]
         cut = len(texts) - settings["validation_sentences"]
-        train = texts[: min(cut, _QUICK_TRAIN_SENTENCES)] if experiment.quick else texts[:cut]
+        train = texts[: min(cut, settings["train_sentences"] or cut)]
         self.train = [self.ids(text)[: settings["max_length"]] for text in train]
         self.validation = [self.ids(text)[: settings["max_length"]] for text in texts[cut:]]
         self.test, self.test_indices = self._test_batches()
@@ -302,11 +347,13 @@ class _Data:
     def lora(self, adapters_random: str = "AB"):
         """A fresh LoRA model on the base: adapters on the last attention layer."""
         base = lora_model_base(self.base, self.device)
+        if self.prefix is not None:
+            base = self.prefix.attach(base)
         with _quiet():
             return lora_model(
                 base,
                 "causal_lm",
-                target_modules=self.targets,
+                target_modules=_last_layer_attention(base),
                 prior_scale=self.settings["prior_scale"],
                 adapters_random=adapters_random,
                 tokenizer=self.tokenizer,
@@ -390,6 +437,61 @@ def lora_model_base(path: Path, device: torch.device):
     with _quiet():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device)
+
+
+class SentencePrefix:
+    """The frozen decoder layers below the last of a causal LM, run once per sentence.
+
+    LoRA on the last attention layer leaves every layer below it computing the same hidden
+    states at every step, draw and chain. ``SentencePrefix(model, pad_id)`` keeps the
+    layers of ``model`` below its last (a :class:`FrozenPrefix`); :meth:`attach` cuts
+    another copy of the model to its last layer and makes its token embedding return,
+    instead of the embeddings, the states those layers hand to the last, each sentence's
+    computed once and kept. The sentence is the row's tokens up to its trailing padding
+    (batches right-padded, as :class:`~pyro_bdl.data.CausalLMCollator` makes them):
+    under causal attention a token's state does not depend on the padding after it, so
+    a sentence reused in another batch, with other padding, is not computed again. The
+    states at the padding are zeros; the attention mask keeps them out of the last layer.
+
+    :param model: a Llama-architecture ``transformers`` causal LM (``model.model.layers``);
+        cut in place.
+    :param int pad_id: the collator's padding token id.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_id: int):
+        self.frozen = FrozenPrefix(model.eval(), top_layers=1)
+        self.pad_id = pad_id
+        self.states: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def attach(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` (the same weights as the prefix's) cut to its last layer, fed the states."""
+        FrozenPrefix(model, top_layers=1)
+        model.get_input_embeddings().register_forward_hook(self._states)
+        return model
+
+    def _states(self, module, args, embeddings: torch.Tensor) -> torch.Tensor:
+        (input_ids,) = args
+        padding = input_ids == self.pad_id
+        # a row's padding is its tail: no token after the first pad
+        if (padding[:, :-1] & ~padding[:, 1:]).any():
+            raise ValueError("SentencePrefix: batches must be right-padded (a token after a pad)")
+        lengths = (~padding).sum(dim=1).tolist()
+        keys = [tuple(row[:n].tolist()) for row, n in zip(input_ids, lengths, strict=True)]
+        missing = list(dict.fromkeys(key for key in keys if key not in self.states))
+        if missing:
+            width = max(len(key) for key in missing)
+            ids = torch.full((len(missing), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, key in enumerate(missing):
+                ids[row, : len(key)] = torch.tensor(key)
+                mask[row, : len(key)] = 1
+            hidden = self.frozen.hidden(ids.to(input_ids.device), mask.to(input_ids.device))
+            for row, key in enumerate(missing):
+                self.states[key] = hidden[row, : len(key)].to(embeddings.dtype)
+        states = torch.zeros_like(embeddings)
+        for row, (key, n) in enumerate(zip(keys, lengths, strict=True)):
+            states[row, :n] = self.states[key]
+        return states
 
 
 def _skeleton(path: Path) -> torch.nn.Module:

@@ -5,9 +5,11 @@ validation tier: ``validation/experiments/test_lm_ood.py``.
 """
 
 import pytest
+import torch
+from tiny_models import tiny_llama
 
 from experiments import run_experiment
-from experiments.lm_ood import last_word, sghmc_parameters
+from experiments.lm_ood import SentencePrefix, last_word, sghmc_parameters
 
 
 def test_only_flores_known_methods_and_a_model_directory(tmp_path, shared_data):
@@ -41,3 +43,31 @@ def test_sghmc_parameters_give_sgd_at_the_learning_rate_and_momentum(learning_ra
     step_size, friction = sghmc_parameters(learning_rate, momentum)
     assert step_size * friction == pytest.approx(1 - momentum)
     assert step_size / friction == pytest.approx(learning_rate)
+
+
+def test_the_last_layer_fed_each_sentences_prefix_once_computes_the_whole_model():
+    pad = 0
+    copies = [tiny_llama(0, torch.float64, vocab_size=23).eval() for _ in range(3)]
+    whole = copies[0]
+    sentences = [[1, 5, 9, 4, 7], [1, 8, 3], [1, 6, 6, 2]]
+    prefix = SentencePrefix(copies[1], pad)
+    cut = prefix.attach(copies[2])
+    assert len(cut.model.layers) == 1
+
+    def batch(rows, width):  # right-padded to width
+        ids = torch.full((len(rows), width), pad)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+        return ids, (ids != pad).long()
+
+    for rows, width in ((sentences, 5), (sentences[1:], 6)):  # the second: other padding
+        ids, mask = batch(rows, width)
+        with torch.no_grad():
+            expected = whole(input_ids=ids, attention_mask=mask).logits
+            got = cut(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(got[i, : len(row)], expected[i, : len(row)])
+    assert len(prefix.states) == len(sentences)  # each sentence's states computed once
+    left = torch.tensor([[pad, 1, 5]])
+    with pytest.raises(ValueError, match="right-padded"):
+        cut(input_ids=left, attention_mask=(left != pad).long(), use_cache=False)

