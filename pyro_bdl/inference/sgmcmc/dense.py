@@ -249,6 +249,9 @@ class DenseAdaptation(Adaptation):
         }
         #: The largest drift between the halves of the last slow window, in posterior sds.
         self.drift = 0.0
+        # the sum of squared whitened gradients under the final metric (the end buffer's
+        # and the kept draws' steps) and their number (see gradient_noise)
+        self._heat = torch.zeros(2, **zeros)
         self._refreshed = False  # the metric changed in the step in progress
 
     # -- the kernel's calls ----------------------------------------------------------
@@ -331,8 +334,33 @@ class DenseAdaptation(Adaptation):
 
     def apply(self, update, theta, grads, step_size, adapting) -> None:
         # the unit-mass update of z = L^{-1} theta, then theta += L (z' - z)
-        update(self.displacement(), self.whiten(grads, clip=adapting), step_size)
+        whitened = self.whiten(grads, clip=adapting)
+        if self._window >= len(self._windows) - 1:  # the metric is final
+            self._heat[0] += sum(z.square().sum() for z in whitened)
+            self._heat[1] += 1
+        update(self.displacement(), whitened, step_size)
         self.move(theta)
+
+    @property
+    def gradient_noise(self) -> float | None:
+        r"""The minibatch gradient noise relative to the gradients' signal, measured over
+        the steps under the final metric, the end buffer's and the kept draws' (None
+        before them): the mean of :math:`|L^\top \hat g|^2 / (N T d)`, minus one.
+
+        Under the final metric the posterior's whitened curvature is :math:`N` in every
+        direction, so in equilibrium the exact gradient contributes :math:`N T d` to the
+        squared whitened norm (Stein's identity); what is beyond that is the minibatch
+        noise, which the metric (from the positions' cross-covariance with the gradients)
+        does not see. The noise is fresh at every step, so it is measured well even where
+        the chain mixes slowly; the signal's share is what the chain's autocorrelation
+        makes uncertain (a chain that is far out, or has not yet moved, adds or takes
+        away up to about one). Full batches give about 0; batches of :math:`B` of :math:`N` data
+        about :math:`N / B - 1` where the per-datum gradients spread as the Fisher
+        information."""
+        total, count = self._heat.tolist()
+        if count == 0:
+            return None
+        return total / count / (self._num_data * self._temperature * self._dimension) - 1
 
     def warning(self) -> str | None:
         if not self.drift > DRIFT_TOLERANCE:  # (a NaN drift is no finding)
@@ -428,6 +456,7 @@ class DenseAdaptation(Adaptation):
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors, numbers = super().state()
         tensors.update({f"dense/{key}": value for key, value in self._sums.items()})
+        tensors["dense/heat"] = self._heat
         if self.factor is not None:
             tensors["dense/factor"] = self.factor
         numbers["dense"] = {"drift": self.drift}
@@ -440,6 +469,9 @@ class DenseAdaptation(Adaptation):
         factor = tensors.get("dense/factor")
         self.factor = None if factor is None else factor.to(self._sums["theta"]).clone()
         self.drift = numbers["dense"]["drift"]
+        heat = tensors.get("dense/heat")  # (earlier versions: none)
+        if heat is not None:
+            self._heat.copy_(heat)
 
 
 def _covariance(first: torch.Tensor, second: torch.Tensor, outer: torch.Tensor, count: int):
