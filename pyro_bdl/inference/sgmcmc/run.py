@@ -226,9 +226,19 @@ def _noise_advice(kernel) -> str | None:
     ratio = num_data / batch - 1  # the noise per unit of the per-datum gradients' spread
     if ratio < NOISY:  # batches this large are not what heats the chain
         return None
-    # noise * (N / B' - 1) / ratio = NOISY
-    wanted = num_data / (1 + ratio * NOISY / noise)
+    # The batch B' with noise * (N / B' - 1) / ratio = NOISY, rounded up to equal
+    # batches: a last batch much smaller than the others brings its own noise (one of 20
+    # after two of 586 left SGLD's step smaller than batches of 100 did on posteriordb's
+    # earnings).
+    per_epoch = math.floor(1 + ratio * NOISY / noise)
+    size = math.ceil(num_data / per_epoch)
     slower = (1 + noise) ** kernel.hyper.step_exponent
+    remedy = (
+        "batches of the whole data set remove it"
+        if per_epoch == 1
+        else f"batches of {size}, {per_epoch} of about equal size an epoch, bring it to the "
+        "signal's level or below, the whole data set removes it"
+    )
     return (
         f"minibatch gradient noise held the step size down: after warm-up the gradients "
         f"carried noise {noise:.3g} times their signal (batches of about {batch:.0f} of the "
@@ -236,6 +246,5 @@ def _noise_advice(kernel) -> str | None:
         f"adaptation keeps the step (here {kernel.current_step_size():.3g}) about "
         f"{slower:.2g}-fold or more below what full batches allow, and the chain crosses "
         "the posterior as many times more slowly; pass larger batches (the noise falls "
-        f"about as N / batch - 1: a batch of {math.ceil(wanted)} brings it to the signal's "
-        "level, the whole data set removes it)"
+        f"about as N / batch - 1: {remedy})"
     )
