@@ -267,6 +267,14 @@ class Adaptation:
         """A sentence saying the warm-up ended unconverged, or None."""
         return None
 
+    @property
+    def gradient_noise(self) -> float | None:
+        """The minibatch gradient noise relative to the gradients' signal, or None when it
+        cannot be told: a diagonal mass is estimated from the gradients' second moments,
+        noise included, so under it the two are not told apart (the dense adaptation
+        measures it)."""
+        return None
+
     def inverse_mass_matrix_of(self, params: dict[str, torch.Tensor]) -> dict | None:
         """The adapted inverse mass per site of ``params`` (None when not adapted)."""
         scale = self.scale

@@ -249,6 +249,12 @@ class DenseAdaptation(Adaptation):
         }
         #: The largest drift between the halves of the last slow window, in posterior sds.
         self.drift = 0.0
+        # under the final metric (the end buffer's and the kept draws' steps): the sums
+        # of the window's, and of the squared whitened gradients and their number, for
+        # gradient_noise
+        self._fixed = {key: torch.zeros_like(value) for key, value in self._sums.items()}
+        del self._fixed["halves"]
+        self._fixed["heat"] = torch.zeros(2, **zeros)
         self._refreshed = False  # the metric changed in the step in progress
 
     # -- the kernel's calls ----------------------------------------------------------
@@ -331,8 +337,51 @@ class DenseAdaptation(Adaptation):
 
     def apply(self, update, theta, grads, step_size, adapting) -> None:
         # the unit-mass update of z = L^{-1} theta, then theta += L (z' - z)
-        update(self.displacement(), self.whiten(grads, clip=adapting), step_size)
+        whitened = self.whiten(grads, clip=adapting)
+        if self._window >= len(self._windows) - 1:  # the metric is final
+            self._observe_noise(grads, whitened)
+        update(self.displacement(), whitened, step_size)
         self.move(theta)
+
+    def _observe_noise(self, grads: list[torch.Tensor], whitened: list[torch.Tensor]) -> None:
+        """Add a step under the final metric to the sums of :attr:`gradient_noise`."""
+        position, gradient = self._flat(self._theta).detach(), self._flat(grads)
+        fixed = self._fixed
+        fixed["theta"].add_(position)
+        fixed["theta2"].addr_(position, position)
+        fixed["grad"].add_(gradient)
+        fixed["cross"].addr_(position, gradient)
+        fixed["heat"][0] += sum(z.square().sum() for z in whitened)
+        fixed["heat"][1] += 1
+
+    @property
+    def gradient_noise(self) -> float | None:
+        r"""The minibatch gradient noise relative to the gradients' signal, measured over
+        the steps under the final metric, the end buffer's and the kept draws' (None
+        before two of them): the whitened covariance of the gradients that the positions
+        do not explain, :math:`\mathrm{tr}\, L^\top (\mathrm{Cov}(\hat g) - B^\top C^{-1}
+        B) L / (N T d)`, with :math:`C` and :math:`B` the positions' covariance and their
+        cross-covariance with the gradients, as for the metric.
+
+        The minibatch noise of a step is independent of the position it starts from, so
+        it is what the positions do not explain; on a Gaussian posterior the exact
+        gradient is explained whatever the law of the positions (:math:`B = -CH`), so a
+        chain that mixes slowly, or has not arrived, measures the noise as well as one in
+        equilibrium. The explained part is :math:`N T d` under the final metric in
+        equilibrium, which the noise is measured against: full batches give about 0,
+        batches of :math:`B` of :math:`N` data about :math:`N / B - 1` where the
+        per-datum gradients spread as the Fisher information."""
+        fixed = self._fixed
+        count = int(fixed["heat"][1])
+        if count < 2:
+            return None
+        positions = _covariance(fixed["theta"], fixed["theta"], fixed["theta2"], count)
+        cross = _covariance(fixed["theta"], fixed["grad"], fixed["cross"], count)
+        explained = cross.T @ torch.linalg.pinv(positions, hermitian=True) @ cross
+        mean = self.factor.T @ (fixed["grad"] / count)
+        total = float(fixed["heat"][0]) / count - float(mean @ mean)
+        explained = float((self.factor.T @ explained @ self.factor).trace())
+        return (total - explained) / (self._num_data * self._temperature * self._dimension)
 
     def warning(self) -> str | None:
         if not self.drift > DRIFT_TOLERANCE:  # (a NaN drift is no finding)
@@ -428,6 +477,7 @@ class DenseAdaptation(Adaptation):
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors, numbers = super().state()
         tensors.update({f"dense/{key}": value for key, value in self._sums.items()})
+        tensors.update({f"dense/fixed/{key}": value for key, value in self._fixed.items()})
         if self.factor is not None:
             tensors["dense/factor"] = self.factor
         numbers["dense"] = {"drift": self.drift}
@@ -440,6 +490,10 @@ class DenseAdaptation(Adaptation):
         factor = tensors.get("dense/factor")
         self.factor = None if factor is None else factor.to(self._sums["theta"]).clone()
         self.drift = numbers["dense"]["drift"]
+        for key, value in self._fixed.items():
+            saved = tensors.get(f"dense/fixed/{key}")  # (earlier versions: none)
+            if saved is not None:
+                value.copy_(saved)
 
 
 def _covariance(first: torch.Tensor, second: torch.Tensor, outer: torch.Tensor, count: int):

@@ -101,3 +101,11 @@ class WarmupResults:
         values in order."""
         adaptation = None if self.state is None else self.state.adaptation
         return None if adaptation is None else adaptation.inverse_mass_matrix_of(self.state.params)
+
+    @property
+    def gradient_noise(self) -> float | None:
+        """The minibatch gradient noise relative to the gradients' signal that warm-up
+        measured (see :attr:`~pyro_bdl.inference.sgmcmc.dense.DenseAdaptation.
+        gradient_noise`); None without it (no adaptation, or a diagonal mass)."""
+        adaptation = None if self.state is None else self.state.adaptation
+        return None if adaptation is None else adaptation.gradient_noise

@@ -259,3 +259,51 @@ def test_the_issues_fixed_step_run_warns_naming_its_sites():
     assert message.startswith("SGHMC: the 2000 kept draws have split R-hat up to")
     assert "bulk ESS down to" in message and "the sites 'w', 'b'" in message
     assert "was not adapted: let warm-up adapt it" in message
+
+
+def _normal_mean(num_data):
+    # y_i ~ N(mu, 1) with mu ~ N(0, 10): a conjugate posterior of sd about N^-1/2, whose
+    # per-datum gradients spread exactly as its Fisher information
+    import pyro_bdl as bdl
+
+    generator = torch.Generator().manual_seed(0)
+    y = 1.0 + torch.randn(num_data, generator=generator, dtype=torch.float64)
+
+    def model(batch, num_data):
+        (yb,) = batch
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 10.0))
+        bdl.observe("obs", dist.Normal(mu.expand(yb.shape), 1.0), yb, num_data)
+
+    return model, y
+
+
+def _run_normal_mean(kernel_class, batch_size):
+    model, y = _normal_mean(1000)
+    loader = DataLoader(TensorDataset(y), batch_size=batch_size, shuffle=True)
+    pyro.set_rng_seed(0)
+    kernel = kernel_class(model)
+    mcmc = MCMC(kernel, num_samples=300, warmup_steps=500, disable_progbar=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mcmc.run(loader, len(y))
+    return kernel, [str(w.message) for w in caught if "kept draws have" in str(w.message)]
+
+
+@pytest.mark.parametrize("kernel_class", [SGLD, SGHMC])
+def test_a_step_held_down_by_minibatch_noise_is_named_with_its_batch(kernel_class):
+    # Batches of 10 of 1,000 data: the gradient noise is N / B - 1 = 99 times the signal
+    # (measured 68 - 73), warm-up holds the step 34-fold (SGLD; SGHMC 7-fold) below what
+    # batches of the whole data set get, and 300 draws have not explored the posterior.
+    # The warning names that cause and the batch that brings the noise to the signal's
+    # level (N / (1 + 99 / noise), about N / 2, in equal batches), not only more draws.
+    kernel, (message,) = _run_normal_mean(kernel_class, 10)
+    whole, messages = _run_normal_mean(kernel_class, 1000)
+    assert kernel.adapted_step_size < whole.adapted_step_size / (5 if kernel_class is SGHMC else 20)
+    assert 30 < kernel.gradient_noise < 300 and abs(whole.gradient_noise) < 1
+    assert "minibatch gradient noise held the step size down" in message
+    assert "(batches of about 10 of the 1000 data)" in message
+    # noise 68 - 73 against the 99 of N / B - 1: two batches an epoch, not 3 of which one
+    # is small
+    assert "batches of 500, 2 of about equal size an epoch, bring it to the signal's" in message
+    assert message.endswith("check the traces (bdl.to_arviz and bdl.diagnostics.summary)")
+    assert not any("gradient noise" in m for m in messages)

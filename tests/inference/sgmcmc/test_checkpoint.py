@@ -121,6 +121,9 @@ def test_state_is_safetensors_with_json_settings_and_rng(tmp_path):
     # none of the diagonal mass's buffers
     dense = ("factor", "theta", "theta2", "grad", "cross", "halves")
     adapted |= {f"adaptation/dense/{name}" for name in dense}
+    # and the sums under the final metric that measure the gradient noise
+    fixed = ("theta", "theta2", "grad", "cross", "heat")
+    adapted |= {f"adaptation/dense/fixed/{name}" for name in fixed}
     assert keys == {
         "theta/weight",
         "theta/bias",
