@@ -58,7 +58,7 @@ from torch.func import functional_call
 
 import pyro_bdl as bdl
 from pyro_bdl.diagnostics import ess_bulk
-from pyro_bdl.inference import SGHMC, SGLD
+from pyro_bdl.inference import SGHMC, SGLD, DivergenceError
 
 STEP_SIZE, FRICTION, PRIOR_SCALE = 1e-3, 1.0, 1.0
 #: The kernel without warm-up adaptation: the step of today's SGHMC.
@@ -222,12 +222,17 @@ def adapted_steps(net, batch, y, forward, num_steps: int, block: int = BLOCK) ->
             times = {name: [] for name in kernels}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # short chains: convergence warnings
-                for _ in range(num_steps // block):
-                    for name, kernel in kernels.items():
-                        start = CLOCK()
-                        for _ in range(block):
-                            chains[name] = kernel.sample(chains[name])
-                        times[name].append((CLOCK() - start) / block)
+                try:
+                    for _ in range(num_steps // block):
+                        for name, kernel in kernels.items():
+                            start = CLOCK()
+                            for _ in range(block):
+                                chains[name] = kernel.sample(chains[name])
+                            times[name].append((CLOCK() - start) / block)
+                except DivergenceError as error:
+                    # The timings up to the divergence still stand; the row says where the
+                    # chain blew up (the adapted warm-up on the MLP, issue 33).
+                    medians[kernel_class.__name__, phase, "diverged"] = str(error).split(":")[0]
                 for kernel in kernels.values():
                     kernel.cleanup()
             for name, values in times.items():
@@ -240,8 +245,10 @@ def print_adapted(label: str, medians: dict) -> None:
     for kernel in ("SGHMC", "SGLD"):
         for phase, target in (("warmup", "<= 1.2"), ("sampling", "<= 1.02")):
             fixed, adapted = medians[kernel, phase, "fixed"], medians[kernel, phase, "adapted"]
+            diverged = medians.get((kernel, phase, "diverged"))
+            note = f" ({diverged}; the steps before it)" if diverged else ""
             print(
-                f"| {label} | {kernel} | {phase} | {fixed * 1e3:.2f} | {adapted * 1e3:.2f} "
+                f"| {label} | {kernel} | {phase}{note} | {fixed * 1e3:.2f} | {adapted * 1e3:.2f} "
                 f"| {adapted / fixed:.3f} | {target} |"
             )
 
