@@ -305,12 +305,8 @@ class DenseAdaptation(Adaptation):
         if self._window >= len(self._windows) - 1:
             return  # the metric is fixed in the end buffer
         self._count += 1
-        position, gradient = self._flat(self._theta).detach(), self._flat(grads)
         sums = self._sums
-        sums["theta"].add_(position)
-        sums["theta2"].addr_(position, position)
-        sums["grad"].add_(gradient)
-        sums["cross"].addr_(position, gradient)
+        position = self._add_moments(sums, grads)
         if self._window == len(self._windows) - 2:  # the last slow window's halves
             window = self._windows[self._window]
             half = int(self._count > (window.end - window.start + 1) // 2)
@@ -321,6 +317,16 @@ class DenseAdaptation(Adaptation):
             self._refreshed = True
         if self._stiff is not None and self._in_slow_window:
             self._stiff.observe(self.whiten(grads), None)
+
+    def _add_moments(self, sums: dict, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Add the position, the gradient and their products to ``sums``; return the
+        flat position."""
+        position, gradient = self._flat(self._theta).detach(), self._flat(grads)
+        sums["theta"].add_(position)
+        sums["theta2"].addr_(position, position)
+        sums["grad"].add_(gradient)
+        sums["cross"].addr_(position, gradient)
+        return position
 
     def end_step(self, iteration: int) -> bool:
         window, refreshed = self._window, self._refreshed
@@ -345,12 +351,8 @@ class DenseAdaptation(Adaptation):
 
     def _observe_noise(self, grads: list[torch.Tensor], whitened: list[torch.Tensor]) -> None:
         """Add a step under the final metric to the sums of :attr:`gradient_noise`."""
-        position, gradient = self._flat(self._theta).detach(), self._flat(grads)
         fixed = self._fixed
-        fixed["theta"].add_(position)
-        fixed["theta2"].addr_(position, position)
-        fixed["grad"].add_(gradient)
-        fixed["cross"].addr_(position, gradient)
+        self._add_moments(fixed, grads)
         fixed["heat"][0] += sum(z.square().sum() for z in whitened)
         fixed["heat"][1] += 1
 
