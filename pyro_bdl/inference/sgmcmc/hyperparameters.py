@@ -125,20 +125,8 @@ class Hyperparameters:
         :param str method: the kernel's name.
         :param int num_data: N as the chain uses it (the model's, once set up).
         """
-        shared = {
-            "method": method,
-            "step_size": self.step_size,
-            "adapt_step_size": self.adapt_step_size,
-            "adapt_mass_matrix": self.adapt_mass_matrix,
-            "dense_mass": self.dense_mass,
-            "target_excess": self.target_excess,
-            "temperature": self.temperature,
-            "num_data": num_data,
-            "thin": self.thin,
-            "schedule": repr(self.schedule),
-        }
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _SHARED}
-        return {**shared, **own}
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"method": method, **values, "num_data": num_data, "schedule": repr(self.schedule)}
 
     def max_adapted_step_size(self) -> float:
         """The largest step size adaptation may try, in mass-adapted units."""
@@ -152,6 +140,3 @@ class Hyperparameters:
 @functools.cache
 def _names(record: type) -> frozenset[str]:
     return frozenset(f.name for f in fields(record))
-
-
-_SHARED = _names(Hyperparameters)

@@ -217,13 +217,12 @@ def _noise_advice(kernel) -> str | None:
     brings it down to the signal's level is named.
     """
     run = kernel.run
-    adaptation = run.state.adaptation
-    noise = None if adaptation is None or not kernel.adapt_step_size else adaptation.gradient_noise
+    noise = kernel.gradient_noise if kernel.adapt_step_size else None
     if noise is None or noise < NOISY or not run.batches.has_loaders:
         return None
-    num_data = run.num_data
-    batch = num_data / run.batches.batches_per_epoch
-    ratio = num_data / batch - 1  # the noise per unit of the per-datum gradients' spread
+    num_data, per_epoch_now = run.num_data, run.batches.batches_per_epoch
+    batch = num_data / per_epoch_now
+    ratio = per_epoch_now - 1  # N / B - 1: the noise per unit of the per-datum gradients' spread
     if ratio < NOISY:  # batches this large are not what heats the chain
         return None
     # The batch B' with noise * (N / B' - 1) / ratio = NOISY, rounded up to equal

@@ -77,10 +77,14 @@ class WarmupResults:
     adaptation; its hyperparameters ``step_size`` and ``adapt_step_size``)."""
 
     @property
+    def _adaptation(self) -> Adaptation | None:
+        return None if self.state is None else self.state.adaptation
+
+    @property
     def adapted_step_size(self) -> float | None:
         """The step size the chain runs with after warm-up (None before set-up, or while
         it is still to be found from the first gradient)."""
-        adaptation = None if self.state is None else self.state.adaptation
+        adaptation = self._adaptation
         return self.step_size if adaptation is None else adaptation.step_size
 
     @property
@@ -88,7 +92,7 @@ class WarmupResults:
         """How much stiffer than the average (after the mass) the stiffest direction
         found in warm-up is; the kept step size was lowered for it when above 1 (see
         :mod:`~pyro_bdl.inference.sgmcmc.stiffness`). None without step-size adaptation."""
-        adaptation = None if self.state is None else self.state.adaptation
+        adaptation = self._adaptation
         return None if adaptation is None or not self.adapt_step_size else adaptation.stiffness
 
     @property
@@ -99,7 +103,7 @@ class WarmupResults:
         a dense mass one entry keyed by the tuple of every site's name (as Pyro's HMC
         keys a ``full_mass`` group), the :math:`d \\times d` matrix over the flattened
         values in order."""
-        adaptation = None if self.state is None else self.state.adaptation
+        adaptation = self._adaptation
         return None if adaptation is None else adaptation.inverse_mass_matrix_of(self.state.params)
 
     @property
@@ -107,5 +111,5 @@ class WarmupResults:
         """The minibatch gradient noise relative to the gradients' signal that warm-up
         measured (see :attr:`~pyro_bdl.inference.sgmcmc.dense.DenseAdaptation.
         gradient_noise`); None without it (no adaptation, or a diagonal mass)."""
-        adaptation = None if self.state is None else self.state.adaptation
+        adaptation = self._adaptation
         return None if adaptation is None else adaptation.gradient_noise
