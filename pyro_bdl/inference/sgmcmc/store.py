@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -149,6 +150,13 @@ class DrawStore:
     def truncate(self, num_draws: int) -> None:
         """Drop every draw from ``num_draws`` on (those a saved state does not know)."""
         self._buffer = []
+        if num_draws == 0:
+            # No saved state knows any draw: the store may be one that a process killed
+            # while creating it left without some of its arrays. It is made afresh, with
+            # the names of the draws, at the next flush.
+            self._group = None
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
         if self._group is None or self.num_written <= num_draws:
             return
         for group in GROUPS:

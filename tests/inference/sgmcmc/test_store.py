@@ -1,6 +1,9 @@
 """The chunked zarr store of a chain's draws, and opening stores lazily as one DataTree."""
 
+import shutil
+
 import numpy as np
+import pyro
 import pytest
 import torch
 import xarray as xr
@@ -96,3 +99,24 @@ def test_draws_kept_after_the_last_state_are_dropped_on_opening(tmp_path):
     np.testing.assert_array_equal(
         tree["posterior"]["weight"].values[0], mcmc.get_samples()["weight"].numpy()
     )
+
+
+def test_a_store_left_half_made_by_a_killed_run_is_made_afresh(tmp_path):
+    _, model = _regression()
+
+    def run():
+        pyro.set_rng_seed(0)
+        kernel = SGLD(model, step_size=1e-3, checkpoint=tmp_path)
+        mcmc = MCMC(kernel, num_samples=4, warmup_steps=0, disable_progbar=True)
+        mcmc.run(_data(), NUM_DATA)
+        return kernel, mcmc.get_samples()["weight"]
+
+    kernel, first = run()
+    # killed while creating its store, before any state was saved: one statistic's array
+    # was never made (the distributed resume test met it when a rank's kill ended the job)
+    checkpoint = kernel.kept.checkpoint
+    checkpoint.state_path.unlink()
+    store = checkpoint.store
+    shutil.rmtree(store.path / "sample_stats" / "potential_energy")
+    _, again = run()
+    assert torch.equal(again, first)
