@@ -210,7 +210,8 @@ class Adaptation:
         self._gradient_scale = scale
         self._start = start
         self._exponent = step_exponent
-        self._max_step_size = max_step_size
+        self._max_step_size = max_step_size  # lowered by each recovery from a divergence
+        self._units = 1.0  # a step size in these units per step size for the unit mass
         self._relaxation = relaxation
         self._data_parallel = data_parallel
         self._dimension = sum(t.numel() for t in theta)
@@ -387,7 +388,8 @@ class Adaptation:
     def end_step(self, iteration: int) -> bool:
         """Close the warm-up step ``iteration``; at the end of a window update the mass,
         and return whether another window starts (then draw the momenta afresh)."""
-        if self._window >= len(self._windows) or iteration != self._windows[self._window].end:
+        # (a window whose end a recovery set the adaptation back across ends now)
+        if self._window >= len(self._windows) or iteration < self._windows[self._window].end:
             return False
         last = self._window == len(self._windows) - 1
         if self._stiff is not None and self._in_slow_window:
@@ -410,12 +412,28 @@ class Adaptation:
         """End the adaptation: the step size is the geometric mean of the last window's.
         (A warm-up cut short ends here too.)"""
         if self.adapt_step_size and self._final[1] > 0:
-            self.step_size = math.exp(self._final[0] / self._final[1])
+            mean = math.exp(self._final[0] / self._final[1])
+            self.step_size = min(mean, self._max_step_size)  # (lowered by a recovery)
             self._final = [0.0, 0]
             self.step_size *= self.stiff_factor
         self._window = len(self._windows)
         if self._data_parallel:
             self._agree()
+
+    def recover(self, step_size: float) -> None:
+        """After the chain was set back to a sane state (and this adaptation to its state
+        then, by :meth:`load_state`) from a divergence at ``step_size``: half that step
+        is the largest the step size may take from now on (see
+        :mod:`~pyro_bdl.inference.sgmcmc.recovery`). The excess averaged over directions
+        did not see the divergence coming, so the adaptation would otherwise grow the
+        step back to it."""
+        self._max_step_size = min(self._max_step_size, step_size / 2)
+        self.step_size = min(self.step_size, self._max_step_size)
+        self._log_step = math.log(self.step_size)
+
+    def unit_step_size(self) -> float:
+        """The step size in the units of a ``step_size`` given for the unit mass."""
+        return self.step_size / self._units
 
     # -- internals ---------------------------------------------------------------------
 
@@ -474,10 +492,11 @@ class Adaptation:
         mean = float(sum(g.square().sum(dtype=torch.float64) for g in grads))
         mean /= self._dimension * self._gradient_scale
         scale = mean**self._exponent if mean > 0 and math.isfinite(mean) else 1.0
+        self._units = scale if self.adapt_mass_matrix else 1.0
         if self.step_size is None:
-            step_size = self._start if self.adapt_mass_matrix else self._start / scale
+            step_size = self._start / (1.0 if self.adapt_mass_matrix else scale)
         else:
-            step_size = self.step_size * scale if self.adapt_mass_matrix else self.step_size
+            step_size = self.step_size * self._units
         return min(step_size, self._max_step_size)
 
     def _agree(self) -> None:
@@ -502,6 +521,7 @@ class Adaptation:
             tensors.update({f"stiff/{key}": t for key, t in stiff_tensors.items()})
         numbers["start_buffer"] = "second moments"
         numbers["stiffness"] = self.stiffness
+        numbers["ceiling"], numbers["units"] = self._max_step_size, self._units
         return tensors, numbers
 
     def load_state(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
@@ -513,6 +533,9 @@ class Adaptation:
         for key in _STATE:
             setattr(self, key, numbers[key])
         self._trend.values = list(numbers["trend"])
+        # (earlier versions: no recovery had lowered the ceiling)
+        self._max_step_size = numbers.get("ceiling", self._max_step_size)
+        self._units = numbers.get("units", self._units)
         if self._stiff is not None and "stiff" in numbers:  # (earlier versions: none)
             prefix = "stiff/"
             stiff = {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}

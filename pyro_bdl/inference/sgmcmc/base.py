@@ -136,6 +136,7 @@ class SGMCMCKernel(Method, WarmupResults, MCMCKernel):
             if state.iteration == warmup_steps:
                 if state.adaptation is not None:
                     state.adaptation.finish()
+                run.end_warmup()
                 self.end_warmup()
             warmup = state.iteration < warmup_steps
             for inner in range(1 if warmup else self.thin):

@@ -269,6 +269,7 @@ class DenseAdaptation(Adaptation):
         self.factor = math.sqrt(variance) * torch.eye(
             self._dimension, dtype=like.dtype, device=like.device
         )
+        self._units = 1 / variance**self._exponent
         if self.step_size is None:
             step_size = self._start
         else:  # the same move as the given step with the unit mass

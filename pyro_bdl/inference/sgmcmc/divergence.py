@@ -8,13 +8,15 @@ at the chain's start, where the model was finite, with Pyro's validation on (whi
 names invalid distribution parameters and observations outside the support) and each
 site's log density (a non-finite prior or likelihood parameter, a hyperparameter of
 the model); then the gradient there; and only if all of these are finite, the chain
-itself: its parameters blew up, and the step size is too large.
+itself (``blew_up``): its parameters blew up, and the step size is too large. A chain
+that blew up in warm-up is set back instead of stopped
+(:mod:`~pyro_bdl.inference.sgmcmc.recovery`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import pyro
 import torch
@@ -23,7 +25,7 @@ from pyro.poutine.util import site_is_subsample
 from pyro_bdl.inference.sgmcmc.target import Target
 from pyro_bdl.likelihoods import ObservationError
 
-__all__ = ["DivergenceError", "describe_start", "diagnose"]
+__all__ = ["DivergenceError", "blew_up", "describe_start", "diagnose"]
 
 
 class DivergenceError(RuntimeError):
@@ -54,23 +56,19 @@ def diagnose(
     target: Target,
     batch: tuple[tuple, dict],
     start: dict[str, torch.Tensor],
-    params: dict[str, torch.Tensor],
     *,
     step: int,
     kernel: str,
-    last_potential: float,
-    step_size: Callable[[], float],
-) -> str:
-    """What was non-finite at a step that gave a non-finite potential or parameter.
+) -> str | None:
+    """What outside the chain made a step's potential or parameters non-finite: the data
+    of that step, the model or its gradient at the chain's start on that batch; None when
+    all of these are finite (the chain itself blew up, see :func:`blew_up`).
 
     :param str symptom: what the step showed (e.g. "the potential energy is nan").
     :param Target target: the model as the chain sees it.
     :param batch: that step's ``(args, kwargs)``.
     :param dict start: the chain's start (unconstrained values).
-    :param dict params: the chain's parameters now (unconstrained).
-    :param int step: the step's number; ``kernel`` the kernel's name; ``last_potential``
-        the last finite potential energy; ``step_size`` gives the current step size
-        (asked only when the chain itself blew up).
+    :param int step: the step's number; ``kernel`` the kernel's name.
     """
     args, kwargs = batch
     bad_data = _non_finite_inputs(args, kwargs)
@@ -89,18 +87,23 @@ def diagnose(
             "at the chain's start, with finite data and log density (e.g. sqrt or log of "
             "0 in the model's backward pass)"
         )
+    return None
+
+
+def blew_up(
+    params: dict[str, torch.Tensor], last_potential: float, advice: str, finite: bool = False
+) -> str:
+    """The chain itself blew up, in words: what its parameters became, the last finite
+    potential energy it had, and ``advice`` (what to change); ``finite``: its values are
+    finite still (a divergence found by :mod:`~pyro_bdl.inference.sgmcmc.recovery`)."""
     bad = [n for n, t in params.items() if not bool(torch.isfinite(t).all())]
     largest = max(float(t.detach().abs().max()) for t in params.values())
-    state = (
-        f"{bad[0]!r} became non-finite"
-        if bad
-        else f"the largest |parameter| is {largest:.3g}, where the model overflows"
-    )
+    where = "" if finite else ", where the model overflows"
+    state = f"the largest |parameter| is {largest:.3g}{where}"
+    state = f"{bad[0]!r} became non-finite" if bad else state
     return (
-        f"{symptom}; the data, priors, likelihood and gradient are finite at the chain's "
-        f"start on that batch, so the chain itself blew up ({state}; the last finite "
-        f"potential energy was {last_potential:.4g}): try a smaller "
-        f"step_size (now {step_size():.3g})"
+        f"the chain itself blew up ({state}; the last finite potential energy was "
+        f"{last_potential:.4g}): {advice}"
     )
 
 

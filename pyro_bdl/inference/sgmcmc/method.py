@@ -38,6 +38,24 @@ class Method:
         after the update; see :mod:`~pyro_bdl.inference.sgmcmc.adaptation`."""
         raise NotImplementedError
 
+    def _free_kinetic_temperature(self, step_size: float) -> float:
+        """The kinetic temperature of a free particle's momenta (SGLD's, drawn afresh
+        each step: the temperature)."""
+        return self.temperature
+
+    def kinetic_energy_of(self, statistic: float, step_size: float) -> float:
+        """The kinetic energy :math:`N |m|^2 / (2\\sigma^2)` that an adaptation statistic
+        (the excess of the kinetic temperature) reads: in the units of the potential
+        energy, so that the two add up to the chain's energy."""
+        return self.dimension * self._free_kinetic_temperature(step_size) * (1 + statistic) / 2
+
+    def draw_statistic(self, stats: dict[str, float], step_size: float) -> float | None:
+        """A kept draw's adaptation statistic, from its statistics ``stats``, which tells a
+        divergence after warm-up (see :mod:`~pyro_bdl.inference.sgmcmc.recovery`); None
+        for a method whose draws do not show it (SGLD's momentum is fresh each step: its
+        divergence cannot coast, and grows until it is non-finite)."""
+        return None
+
     def refresh(self) -> None:
         """Draw the auxiliary variables afresh at the start of an adaptation window."""
 

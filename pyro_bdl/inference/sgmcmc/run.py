@@ -26,6 +26,7 @@ from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
 from pyro_bdl.inference.sgmcmc.convergence import FunctionSpaceMonitor, convergence_warning
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise
 from pyro_bdl.inference.sgmcmc.kept import KeptDraws
+from pyro_bdl.inference.sgmcmc.recovery import Recovery, Sentinel
 from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
 from pyro_bdl.inference.sgmcmc.target import Target, model_target, placed_like
 from pyro_bdl.inference.sgmcmc.warmup import new_adaptation
@@ -55,6 +56,10 @@ class ChainRun:
     :ivar noise: the chain's ``Noise`` (:mod:`~pyro_bdl.inference.sgmcmc.device`), made at
         its first draw (none at temperature 0).
     :ivar watch: the potential energies in flight (a ``LaggedRead``).
+    :ivar sentinel: the judge of the chain's reads that tells a divergence from noise
+        (:mod:`~pyro_bdl.inference.sgmcmc.recovery`).
+    :ivar recovery: while the step size adapts in warm-up, the ``Recovery`` that sets
+        the chain back from a divergence; None otherwise.
     :ivar bool checked: whether the finished chain was judged already.
     :ivar int dimension: the number of unconstrained parameters.
     """
@@ -71,8 +76,17 @@ class ChainRun:
     returned: dict[str, torch.Tensor] | None = None
     noise: Noise | None = None
     watch: LaggedRead = field(default_factory=LaggedRead)
+    sentinel: Sentinel | None = None
+    recovery: Recovery | None = None
     checked: bool = False
     dimension: int = 0
+
+    def end_warmup(self) -> None:
+        """Warm-up is over: its copy of a sane state goes, and the draws' energies (their
+        potential a different sum than the steps', see
+        :mod:`~pyro_bdl.inference.sgmcmc.step`) are judged among themselves."""
+        self.recovery = None
+        self.sentinel.forget_energies()
 
     def adopt(self, params: dict[str, torch.Tensor]) -> None:
         """Take parameter values that did not come from the chain's last step."""
@@ -147,6 +161,9 @@ def start(kernel, warmup_steps: int, args: tuple, kwargs: dict, given: dict | No
     run.state = state = kernel.init(dict(zip(target.sites, theta)))
     state.adaptation = new_adaptation(hyper, theta, warmup_steps, num_data, data_parallel)
     state.scale = None if state.adaptation is None else state.adaptation.unit_scale
+    run.sentinel = Sentinel(hyper.target_excess)
+    if state.adaptation is not None and hyper.adapt_step_size:
+        run.recovery = Recovery(state, run.sentinel)
     chain = chain_number(kernel._chain_id)
     store = None if kernel.checkpoint is None else Checkpoint(kernel.checkpoint, kernel, chain)
     run.kept = KeptDraws(kernel.stat_names(), state.params, store, kernel.keep_draws)

@@ -209,6 +209,12 @@ class SGHMC(SGMCMCKernel):
         kinetic = self.kinetic_energy() * (self.num_data / self.dimension)
         return kinetic / self._free_kinetic_temperature(step_size) - 1
 
+    def draw_statistic(self, stats: dict[str, float], step_size: float) -> float | None:
+        # the statistic above, from the kinetic temperature a kept draw records
+        if self.temperature == 0:
+            return None
+        return stats["kinetic_temperature"] / self._free_kinetic_temperature(step_size) - 1
+
     def refresh(self) -> None:
         # A Gibbs draw of the momenta from their stationary law, independent of theta.
         variance = self.mass * self._free_kinetic_temperature(self.current_step_size())

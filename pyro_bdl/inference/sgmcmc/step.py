@@ -29,8 +29,14 @@ import math
 
 import torch
 
-from pyro_bdl.inference.sgmcmc.device import norm
-from pyro_bdl.inference.sgmcmc.divergence import DivergenceError, describe_start, diagnose
+from pyro_bdl.inference.sgmcmc.device import LaggedRead, norm
+from pyro_bdl.inference.sgmcmc.divergence import (
+    DivergenceError,
+    blew_up,
+    describe_start,
+    diagnose,
+)
+from pyro_bdl.inference.sgmcmc.recovery import DIVERGED
 from pyro_bdl.inference.sgmcmc.state import StepInfo
 from pyro_bdl.likelihoods import ObservationError
 
@@ -42,6 +48,10 @@ def step(kernel, record: bool) -> None:
     from (the last step of a kept draw)."""
     run = kernel.run
     state = run.state
+    adaptation = state.adaptation
+    state.adapting = adapting = adaptation is not None and state.iteration < run.warmup_steps
+    if run.recovery is not None and adapting:
+        run.recovery.save(state.step)
     batch = args, kwargs = run.batches.next()
     average = run.data_parallel
     try:
@@ -50,10 +60,11 @@ def step(kernel, record: bool) -> None:
                 state.params, args, kwargs, average=average
             )
     except ValueError as error:
-        _stop_if_moved_there(kernel, batch, error)
-        raise
-    adaptation = state.adaptation
-    state.adapting = adapting = adaptation is not None and state.iteration < run.warmup_steps
+        if not _stop_if_moved_there(kernel, batch, error):
+            raise
+        # set back in warm-up: the step is over
+        _end_step(kernel, StepInfo(state.step, batch, math.nan))
+        return
     if adapting:
         if state.step == 0:
 
@@ -86,21 +97,48 @@ def step(kernel, record: bool) -> None:
     ready = run.watch.push(watched, info)
     if ready is not None:
         _check_potential(kernel, *ready)
-    if adapting and adaptation.end_step(state.iteration):
+    _end_step(kernel, info)
+
+
+def _end_step(kernel, info: StepInfo) -> None:
+    """Close the step: the adaptation's schedule, and the step's count."""
+    state = kernel.run.state
+    if state.adapting and state.adaptation.end_step(state.iteration):
         with torch.no_grad():
             kernel.refresh()
     state.step += 1
-    run.info = info
+    kernel.run.info = info
 
 
 def _check_potential(kernel, value: float | list[float], info: StepInfo) -> None:
-    state = kernel.run.state
+    """Judge a step's potential and (while the step size adapts) statistic, read from
+    the device: a divergence sets a warm-up chain back or stops the chain (see
+    :mod:`~pyro_bdl.inference.sgmcmc.recovery`); otherwise the adaptation takes them."""
+    run = kernel.run
+    state = run.state
     if isinstance(value, list):
         value, statistic = value
+        finite = math.isfinite(value) and math.isfinite(statistic)
+        energy = value + kernel.kinetic_energy_of(statistic, info.step_size) if finite else 0
+        if finite and run.sentinel.diverged(statistic, energy):
+            symptom = _out_of_bounds(kernel, statistic, energy, "steps")
+            _diverged(kernel, info, symptom, finite=True)
+            return
         state.adaptation.observe_statistic(statistic, value)
     if not math.isfinite(value):
         _diverged(kernel, info, f"the minibatch potential energy is {value}")
+        return
     state.potential_energy = value
+
+
+def _out_of_bounds(kernel, statistic: float, energy: float, reads: str) -> str:
+    """The symptom of a divergence the sentinel found, in words."""
+    return (
+        f"the excess of the kinetic temperature read {statistic:.3g} (above "
+        f"{DIVERGED:g} times its spread before and its target "
+        f"{kernel.hyper.target_excess:g}) while the energy (potential plus kinetic) rose to "
+        f"a new high, {energy:.4g}, two {reads} in a row"
+    )
 
 
 def step_size(kernel) -> float:
@@ -153,8 +191,15 @@ def keep_draw(kernel) -> None:
     if not math.isfinite(read[-1]):
         bad = [name for name, t in state.params.items() if not bool(torch.isfinite(t).all())]
         _diverged(kernel, info, f"parameter {bad[0]!r} has non-finite values")
-    if not math.isfinite(stats["potential_energy"]):
-        _diverged(kernel, info, f"the potential energy is {stats['potential_energy']}")
+    potential = stats["potential_energy"]
+    if not math.isfinite(potential):
+        _diverged(kernel, info, f"the potential energy is {potential}")
+    statistic = kernel.draw_statistic(stats, info.step_size)
+    if statistic is not None and math.isfinite(statistic):
+        energy = potential + kernel.kinetic_energy_of(statistic, info.step_size)
+        if run.sentinel.diverged(statistic, energy):
+            symptom = _out_of_bounds(kernel, statistic, energy, "kept draws")
+            _diverged(kernel, info, symptom, finite=True)
     stats.update(step_size=info.step_size, temperature=kernel.temperature)
     if kernel.function_monitor is not None:  # one forward pass on the probe batch
         kernel.function_monitor.add(state.params)
@@ -162,14 +207,15 @@ def keep_draw(kernel) -> None:
     kept.add(stats, draw, state.iteration - run.warmup_steps, state.iteration + 1)
 
 
-def _stop_if_moved_there(kernel, batch: tuple[tuple, dict], error: ValueError) -> None:
+def _stop_if_moved_there(kernel, batch: tuple[tuple, dict], error: ValueError) -> bool:
     """Stop the chain if the model's ``error`` on this step's batch comes from where the
     chain moved: a distribution's validation of a parameter the chain's values made
     non-finite (a network's logits that overflowed), where the model at the chain's
-    start raises nothing on the same batch. An error the start raises too, or labels
-    outside the support, is the model's or the data's, and propagates as it is."""
+    start raises nothing on the same batch; in warm-up set it back instead, and return
+    True. An error the start raises too, or labels outside the support, is the model's
+    or the data's, and propagates as it is (False)."""
     if isinstance(error, ObservationError):
-        return
+        return False
     run = kernel.run
     start = {
         name: z.detach().clone().requires_grad_(True) for name, z in run.initial_params.items()
@@ -178,29 +224,64 @@ def _stop_if_moved_there(kernel, batch: tuple[tuple, dict], error: ValueError) -
         with torch.enable_grad():
             run.target.log_joint_and_grad(start, *batch)
     except ValueError:
-        return
+        return False
     message = str(error).splitlines()[0] if str(error) else type(error).__name__
     symptom = f"the model raised a ValueError at the chain's values ({message})"
     _diverged(kernel, StepInfo(run.state.step, batch, math.nan), symptom)
+    return True
 
 
-def _diverged(kernel, info: StepInfo, symptom: str) -> None:
+def _diverged(kernel, info: StepInfo, symptom: str, finite: bool = False) -> None:
+    """Set a warm-up chain that blew up back to its last sane state (see
+    :mod:`~pyro_bdl.inference.sgmcmc.recovery`), or stop the chain, saying why. A
+    non-finite value is the chain's doing only when the data, the model and its gradient
+    are finite at the chain's start on that batch; ``finite`` values (the sentinel's
+    verdict) are."""
     run = kernel.run
-    cause = diagnose(
-        symptom,
-        run.target,
-        info.batch,
-        run.initial_params,
-        run.state.params,
-        step=info.step,
-        kernel=type(kernel).__name__,
-        last_potential=run.state.potential_energy,
-        step_size=kernel.current_step_size,
-    )
+    cause = None
+    if not finite:
+        kind, start = type(kernel).__name__, run.initial_params
+        cause = diagnose(symptom, run.target, info.batch, start, step=info.step, kernel=kind)
+    recovery = run.recovery
+    if cause is None and recovery is not None and info.step < run.warmup_steps:
+        if recovery.restore(info.step):
+            run.watch = LaggedRead()  # a read in flight is of the state set back
+            with torch.no_grad():
+                kernel.refresh()  # the momenta, drawn afresh
+            return
+        advice = recovery.advice(info.step)
+    else:
+        advice = _advice(kernel)
+    if cause is None:
+        state = run.state
+        cause = blew_up(state.params, state.potential_energy, advice, finite)
+        if not finite:
+            cause = (
+                "the data, priors, likelihood and gradient are finite at the chain's start "
+                f"on that batch, so {cause}"
+            )
+        cause = f"{symptom}; {cause}"
     if info.step == 0:
         start = describe_start(run.target, run.initial_params, kernel.init_params)
         cause += f"; the chain started at {start}"
     stop(kernel, info.step, cause)
+
+
+def _advice(kernel) -> str:
+    """What to change when a chain blew up: its fixed step size, or after warm-up the
+    step size that warm-up adapted."""
+    now = kernel.current_step_size()
+    adaptation = kernel.run.state.adaptation
+    if adaptation is None or not kernel.adapt_step_size:
+        return f"try a smaller step_size (now {now:.3g})"
+    target = kernel.hyper.target_excess
+    return (
+        f"the step size warm-up adapted, {now:.3g}, is too large for a direction it did "
+        f"not see; pass a smaller target_excess (now {target:g}; {target / 4:g} about "
+        "halves SGHMC's and SGNHT's step and quarters SGLD's) or more warmup_steps, or "
+        f"adapt_step_size=False with step_size={adaptation.unit_step_size() / 2:.3g} (half "
+        "the adapted step, for the unit mass)"
+    )
 
 
 def stop(kernel, step: int, cause: str) -> None:
