@@ -91,6 +91,8 @@ class Sentinel:
         self._count = 0
         self._energies: list[float] = []
         self._out = 0  # out-of-bounds reads in a row
+        #: Reads in a row judged and found in bounds.
+        self.clean = 0
 
     @property
     def armed(self) -> bool:
@@ -106,6 +108,7 @@ class Sentinel:
         self._energies.append(energy)
         del self._energies[:-HISTORY]
         self._out = self._out + 1 if out and high else 0
+        self.clean = self.clean + 1 if self.armed and not out else 0
         if high is None or not (out or high):
             # only ordinary reads make the bar: a divergence would raise its own
             self._count += 1
@@ -117,7 +120,7 @@ class Sentinel:
     def forget_energies(self) -> None:
         """Forget the energies seen (they are not comparable with those to come)."""
         self._energies.clear()
-        self._out = 0
+        self._out = self.clean = 0
 
     def state(self) -> dict:
         """The sentinel's memory (numbers), for :meth:`load_state`."""
@@ -130,15 +133,16 @@ class Sentinel:
         """Set the memory back to a :meth:`state`."""
         self._mean, self._variance, self._count = numbers["moments"]
         self._energies = list(numbers["energies"])
-        self._out = 0
+        self._out = self.clean = 0
 
 
 class Recovery:
     """Warm-up's copy of a chain's last sane state and the recoveries made from it.
 
-    A copy is taken only while the sentinel can tell a divergence (after its first
-    ``HISTORY // 2`` reads), besides the chain's start: a chain too fast to be judged
-    yet (a step size far too large from the start) is set back to where it started.
+    Besides the chain's start, a copy is taken only when the sentinel has judged the
+    reads since the last one and found them in bounds: a chain that diverges before it
+    can be judged (a step size far too large from the start) is set back to where it
+    started.
 
     :param state: the chain's :class:`~pyro_bdl.inference.sgmcmc.state.ChainState`,
         whose ``adaptation`` adapts the step size.
@@ -155,7 +159,8 @@ class Recovery:
 
     def save(self, step: int) -> None:
         """Copy the chain's state if ``step`` (the warm-up step about to be taken) is due."""
-        if self._theta is not None and (step % SNAPSHOT_EVERY or not self._sentinel.armed):
+        sane = self._sentinel.clean >= SNAPSHOT_EVERY  # every read since the last copy
+        if self._theta is not None and (step % SNAPSHOT_EVERY or not sane):
             return
         state = self._state
         with torch.no_grad():

@@ -60,6 +60,7 @@ class ChainRun:
         (:mod:`~pyro_bdl.inference.sgmcmc.recovery`).
     :ivar recovery: while the step size adapts in warm-up, the ``Recovery`` that sets
         the chain back from a divergence; None otherwise.
+    :ivar list recoveries: the warm-up steps at which the chain was set back.
     :ivar bool checked: whether the finished chain was judged already.
     :ivar int dimension: the number of unconstrained parameters.
     """
@@ -78,6 +79,7 @@ class ChainRun:
     watch: LaggedRead = field(default_factory=LaggedRead)
     sentinel: Sentinel | None = None
     recovery: Recovery | None = None
+    recoveries: list[int] = field(default_factory=list)
     checked: bool = False
     dimension: int = 0
 
@@ -164,6 +166,7 @@ def start(kernel, warmup_steps: int, args: tuple, kwargs: dict, given: dict | No
     run.sentinel = Sentinel(hyper.target_excess)
     if state.adaptation is not None and hyper.adapt_step_size:
         run.recovery = Recovery(state, run.sentinel)
+        run.recoveries = run.recovery.steps
     chain = chain_number(kernel._chain_id)
     store = None if kernel.checkpoint is None else Checkpoint(kernel.checkpoint, kernel, chain)
     run.kept = KeptDraws(kernel.stat_names(), state.params, store, kernel.keep_draws)

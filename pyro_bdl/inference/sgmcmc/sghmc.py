@@ -210,8 +210,9 @@ class SGHMC(SGMCMCKernel):
         return kinetic / self._free_kinetic_temperature(step_size) - 1
 
     def draw_statistic(self, stats: dict[str, float], step_size: float) -> float | None:
-        # the statistic above, from the kinetic temperature a kept draw records
-        if self.temperature == 0:
+        # the statistic above, from the kinetic temperature a kept draw records (none at
+        # T = 0, nor where a schedule took the momenta's factor to -1 or beyond)
+        if self.temperature == 0 or step_size * self.friction / self.mass >= 2:
             return None
         return stats["kinetic_temperature"] / self._free_kinetic_temperature(step_size) - 1
 

@@ -96,6 +96,12 @@ class WarmupResults:
         return None if adaptation is None or not self.adapt_step_size else adaptation.stiffness
 
     @property
+    def recoveries(self) -> list[int]:
+        """The warm-up steps at which the chain diverged and was set back to its last sane
+        state with half the step size (see :mod:`~pyro_bdl.inference.sgmcmc.recovery`)."""
+        return [] if self.run is None else list(self.run.recoveries)
+
+    @property
     def inverse_mass_matrix(self) -> dict[str, torch.Tensor] | None:
         """The adapted inverse mass per site (None when the mass is not adapted): the
         diagonal :math:`D^{-1}` shaped like each site's unconstrained value (the
