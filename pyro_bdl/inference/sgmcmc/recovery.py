@@ -63,18 +63,22 @@ import math
 
 import torch
 
-__all__ = ["DIVERGED", "MAX_RECOVERIES", "Recovery", "Sentinel"]
+__all__ = ["CALM", "DIVERGED", "MAX_RECOVERIES", "Recovery", "Sentinel"]
 
 #: A read is out of bounds when its excess over the target is this many times the larger
 #: of the target and the statistic's spread before (and the potential is at a new high).
 DIVERGED = 20.0
-#: Potentials remembered: a read's potential is a new high when above all of them.
+#: Energies remembered (of reads in bounds); half as many arm the sentinel.
 HISTORY = 20
+#: A read within this many spreads above the statistic's mean is calm: it counts into the
+#: spread as it is (one beyond, as if at this edge), and a copy of the chain's state
+#: needs ``SNAPSHOT_EVERY`` calm reads in a row.
+CALM = 3.0
 #: Warm-up steps between the copies of the chain's state that a recovery restores.
 SNAPSHOT_EVERY = 10
 #: Recoveries allowed in a warm-up; one more stops the chain.
 MAX_RECOVERIES = 4
-#: Least weight of the newest deviation in the spread's running mean square.
+#: Least weight of the newest read in the statistic's running mean and variance.
 _SPREAD_WEIGHT = 0.05
 
 
@@ -89,38 +93,45 @@ class Sentinel:
         self._mean = 0.0  # running mean of the statistic
         self._variance = 0.0  # and its running variance
         self._count = 0
-        self._energies: list[float] = []
+        self._energies: list[float] = []  # of the last reads in bounds
         self._out = 0  # out-of-bounds reads in a row
-        #: Reads in a row judged and found in bounds.
-        self.clean = 0
+        #: Calm reads in a row, judged (see ``CALM``).
+        self.calm = 0
 
     @property
     def armed(self) -> bool:
-        """Whether enough energies were seen to tell a new high."""
+        """Whether enough energies were seen to tell one that rose."""
         return len(self._energies) >= HISTORY // 2
 
     def diverged(self, statistic: float, energy: float) -> bool:
         """Take a read of the statistic and the energy (both finite); return whether it
         completes a divergence (two reads in a row out of bounds)."""
+        spread = max(self.target, math.sqrt(self._variance))
         deviation = statistic - self._mean
-        out = deviation > DIVERGED * max(self.target, math.sqrt(self._variance))
-        high = energy > max(self._energies) if self.armed else None
+        if self.armed and deviation > DIVERGED * spread:
+            top, bottom = max(self._energies), min(self._energies)
+            rose = energy > top + (top - bottom)
+            self._out = self._out + 1 if rose else 0
+            self.calm = 0
+            return self._out >= 2
+        self._out = 0
+        calm = deviation <= CALM * spread
+        self.calm = self.calm + 1 if calm and self.armed else 0
         self._energies.append(energy)
         del self._energies[:-HISTORY]
-        self._out = self._out + 1 if out and high else 0
-        self.clean = self.clean + 1 if self.armed and not out else 0
-        if high is None or not (out or high):
-            # only ordinary reads make the bar: a divergence would raise its own
-            self._count += 1
-            weight = max(1.0 / self._count, _SPREAD_WEIGHT)
-            self._mean += weight * deviation
-            self._variance = (1 - weight) * (self._variance + weight * deviation**2)
-        return self._out >= 2
+        # a read above the calm band counts as if at its edge: a divergence that grows
+        # step by step would otherwise raise its own bar as fast as it grows
+        deviation = min(deviation, CALM * spread)
+        self._count += 1
+        weight = max(1.0 / self._count, _SPREAD_WEIGHT)
+        self._mean += weight * deviation
+        self._variance = (1 - weight) * (self._variance + weight * deviation**2)
+        return False
 
     def forget_energies(self) -> None:
         """Forget the energies seen (they are not comparable with those to come)."""
         self._energies.clear()
-        self._out = self.clean = 0
+        self._out = self.calm = 0
 
     def state(self) -> dict:
         """The sentinel's memory (numbers), for :meth:`load_state`."""
@@ -133,7 +144,7 @@ class Sentinel:
         """Set the memory back to a :meth:`state`."""
         self._mean, self._variance, self._count = numbers["moments"]
         self._energies = list(numbers["energies"])
-        self._out = self.clean = 0
+        self._out = self.calm = 0
 
 
 class Recovery:
@@ -159,7 +170,7 @@ class Recovery:
 
     def save(self, step: int) -> None:
         """Copy the chain's state if ``step`` (the warm-up step about to be taken) is due."""
-        sane = self._sentinel.clean >= SNAPSHOT_EVERY  # every read since the last copy
+        sane = self._sentinel.calm >= SNAPSHOT_EVERY  # every read since the last copy
         if self._theta is not None and (step % SNAPSHOT_EVERY or not sane):
             return
         state = self._state
