@@ -6,54 +6,52 @@ kinetic energy and the potential energy. The step-size adaptation does not see i
 coming: its statistic is averaged over all directions, so on a network one direction's
 growth shows only when its energy is a sizeable share of the whole (on the 1M-weight
 MLP of ``benchmarks/sgmcmc_overhead.py`` the excess stayed within 0.04 of 0 while the
-step grew 3 % a step, then read 66 and, a step later, 995, with the potential from 56
-to 140,000 and 4.8 million).
+step grew 3 % a step, then read 66 and, a step later, 995).
 
-**The rule** (:class:`Sentinel`). A read of the chain's statistic (the excess of the
-kinetic temperature, see :mod:`~pyro_bdl.inference.sgmcmc.adaptation`: each warm-up
-step's, and each kept draw's after warm-up) *is out of bounds* when its excess over
-``target_excess`` is more than ``DIVERGED`` (20) times the larger of ``target_excess``
-and the running root mean square of the excess's earlier deviations from
-``target_excess``, *and* the potential energy is above every one of the last
-``HISTORY`` (20) potentials; two reads in a row out of bounds are a divergence. A
-non-finite potential, statistic or parameter is one at once (when the model and data
-are finite at the chain's start on that batch, see
-:mod:`~pyro_bdl.inference.sgmcmc.divergence`).
+**The rule** (:class:`Sentinel`). Each read of the chain's statistic, the excess of its
+kinetic temperature (see :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; each warm-up
+step's, and after warm-up each kept draw's), comes with the chain's energy, the
+potential plus the kinetic energy that the statistic reads. A read is *out of bounds*
+when the statistic is more than ``DIVERGED`` (20) spreads above its running mean, the
+spread being the larger of ``target_excess`` and the statistic's running standard
+deviation; and the energy *rose* when it is above the highest of the last ``HISTORY``
+(20) reads in bounds by more than their range. Two reads in a row out of bounds, each
+with a risen energy, are a divergence. A non-finite potential or parameter is one at
+once, when the data, the model and its gradient are finite at the chain's start on that
+batch (:mod:`~pyro_bdl.inference.sgmcmc.divergence`).
 
-Why it is sound with minibatch noise, which heats a chain and makes its statistic
-noisy:
+Why it is sound with minibatch noise, which heats a chain and makes its statistic noisy:
 
-* the threshold is relative to the spread the chain's own statistic showed before (out
-  of bounds reads are not counted into it, so a divergence cannot raise its own bar),
-  and at least 20 times the target: a chain heated by its minibatches, or by the energy
-  it releases on its way in, has its heat in that spread. For a Gaussian target the
-  kinetic temperature is a chi-square variable over the number of parameters; even for
-  one parameter, a value 20 standard deviations above its mean has probability below
-  1e-7;
-* a noisy minibatch can kick the momenta once, but it cannot make the potential reach
-  a new high at the next step too, which the second read needs (the next batch is an
-  ordinary one). In equilibrium a high kinetic energy goes with a low potential (the
-  chain crosses the mode fast); only a divergence raises both, step after step;
+* the bar is the spread the statistic showed before, in reads in bounds, so the heat
+  of the minibatches is in it; for a Gaussian target the kinetic temperature is a
+  chi-square variable over the number of parameters, and even for one parameter the
+  bar (about 15 of its standard deviations, the spread being measured as below) is
+  passed with probability about 3e-6 a read. A read above ``CALM`` (3) spreads counts
+  into the spread as if it were at that edge, so that a divergence that grows step by
+  step (on the MLP, one that coasted between bursts) cannot raise the bar as fast as it
+  grows;
+* a noisy minibatch can kick the momenta once, but the energy rises only when the
+  kinetic energy gained is not paid for by the potential, and stays up at the next read
+  only when the kick more than doubled the kinetic energy of every parameter together;
 * on its way in from a far start a chain is heated by the energy it releases while its
-  potential falls: not a new high.
+  potential falls: its energy does not rise.
 
-A divergence slower than the spread's memory (about 20 reads) raises the spread with
-it and is left to the non-finite check and to the step-size adaptation, which shrinks
-the step while the statistic is above its target.
-
-**Recovery in warm-up** (:class:`Recovery`), whose draws are discarded anyway: every
-``SNAPSHOT_EVERY`` (10) warm-up steps, and at the first, the chain's position and its
+**Recovery in warm-up** (:class:`Recovery`), whose draws are discarded anyway: at the
+chain's first step, and every ``SNAPSHOT_EVERY`` (25) steps after ``SNAPSHOT_EVERY``
+calm reads in a row (within ``CALM`` spreads of the mean), the chain's position and its
 adaptation's state (:meth:`~pyro_bdl.inference.sgmcmc.adaptation.Adaptation.state`, as
 a checkpoint holds it) are copied. A divergence sets both back to that copy, draws the
-momenta afresh and halves the step size that diverged, which becomes the largest the
-adaptation may take from then on (``Adaptation.recover``); the statistics the diverging
-steps fed the adaptation (the window's gradients and the step size's running spread) are
-gone with the restored state. The copy costs one more of the adaptation's buffers and
-of the parameters during warm-up, and one copy of them per ten steps. More than
-``MAX_RECOVERIES`` (4) recoveries stop the chain with a
-:class:`~pyro_bdl.inference.sgmcmc.divergence.DivergenceError` naming the step size that
-would start it below the step that diverged. After warm-up a divergence is never
-recovered from: it stops the chain.
+momenta afresh, and halves the step size that diverged, which becomes the largest the
+adaptation may take from then on (``Adaptation.recover``): the statistic averaged over
+directions did not see the divergence coming, and would grow the step back to it. What
+the diverging steps fed the adaptation (the window's gradients, the step size's
+running spread) and the sentinel goes with the state set back. The copy holds the
+adaptation's buffers and the parameters once more during warm-up (on the MLP, 8.5
+times its parameters), and costs a pass over them per 25 steps. More than
+``MAX_RECOVERIES`` (4) recoveries in a row, without a new copy between them, stop the
+chain with a :class:`~pyro_bdl.inference.sgmcmc.divergence.DivergenceError` that names
+the step size to start from. After warm-up a divergence is never recovered from: it
+stops the chain, with the draws kept before it.
 """
 
 from __future__ import annotations
@@ -74,9 +72,11 @@ HISTORY = 20
 #: spread as it is (one beyond, as if at this edge), and a copy of the chain's state
 #: needs ``SNAPSHOT_EVERY`` calm reads in a row.
 CALM = 3.0
-#: Warm-up steps between the copies of the chain's state that a recovery restores.
-SNAPSHOT_EVERY = 10
-#: Recoveries allowed in a warm-up; one more stops the chain.
+#: Warm-up steps between the copies of the chain's state that a recovery restores (a
+#: copy of the 1M-weight MLP's parameters and adaptation costs 2 ms, a step 12 ms).
+SNAPSHOT_EVERY = 25
+#: Recoveries allowed in a row (without a new copy of the chain's state between them, so
+#: without the chain calm for ``SNAPSHOT_EVERY`` steps); one more stops the chain.
 MAX_RECOVERIES = 4
 #: Least weight of the newest read in the statistic's running mean and variance.
 _SPREAD_WEIGHT = 0.05
@@ -167,6 +167,7 @@ class Recovery:
         self._saved: tuple[dict[str, torch.Tensor], dict, dict] | None = None
         #: The steps at which warm-up diverged and was set back.
         self.steps: list[int] = []
+        self._streak = 0  # recoveries since the chain last made a copy
 
     def save(self, step: int) -> None:
         """Copy the chain's state if ``step`` (the warm-up step about to be taken) is due."""
@@ -180,14 +181,21 @@ class Recovery:
             else:
                 torch._foreach_copy_(self._theta, state.theta)
         tensors, numbers = state.adaptation.state()
-        tensors = {key: t.detach().clone() for key, t in tensors.items()}
-        self._saved = (tensors, copy.deepcopy(numbers), self._sentinel.state())
+        copies = None if self._saved is None else self._saved[0]
+        if copies is not None and copies.keys() == tensors.keys():
+            torch._foreach_copy_(list(copies.values()), list(tensors.values()))
+        else:  # the first copy, or the dense metric made since the last
+            copies = {key: t.detach().clone() for key, t in tensors.items()}
+        self._saved = (copies, copy.deepcopy(numbers), self._sentinel.state())
+        self._streak = 0
 
     def restore(self, step: int) -> bool:
         """Set the chain back to its copy with half the step size that diverged at
-        ``step``; return False, changing nothing, when recoveries are spent."""
-        if len(self.steps) >= MAX_RECOVERIES:
+        ``step``; return False, changing nothing, when ``MAX_RECOVERIES`` were made since
+        the chain last went calm long enough for a new copy."""
+        if self._streak >= MAX_RECOVERIES:
             return False
+        self._streak += 1
         self.steps.append(step)
         state, adaptation = self._state, self._state.adaptation
         diverged = adaptation.step_size
