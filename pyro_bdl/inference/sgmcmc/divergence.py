@@ -98,8 +98,12 @@ def blew_up(
     finite still (a divergence found by :mod:`~pyro_bdl.inference.sgmcmc.recovery`)."""
     bad = [n for n, t in params.items() if not bool(torch.isfinite(t).all())]
     largest = max(float(t.detach().abs().max()) for t in params.values())
-    where = "" if finite else ", where the model overflows"
-    state = f"the largest |parameter| is {largest:.3g}{where}"
+    if finite:
+        return (
+            f"the chain itself diverged (the largest |parameter| is {largest:.3g}; the "
+            f"potential energy read before was {last_potential:.4g}): {advice}"
+        )
+    state = f"the largest |parameter| is {largest:.3g}, where the model overflows"
     state = f"{bad[0]!r} became non-finite" if bad else state
     return (
         f"the chain itself blew up ({state}; the last finite potential energy was "
