@@ -118,12 +118,12 @@ def _check_potential(kernel, value: float | list[float], info: StepInfo) -> None
     state = run.state
     if isinstance(value, list):
         value, statistic = value
-        finite = math.isfinite(value) and math.isfinite(statistic)
-        energy = value + kernel.kinetic_energy_of(statistic, info.step_size) if finite else 0
-        if finite and run.sentinel.diverged(statistic, energy):
-            symptom = _out_of_bounds(kernel, statistic, energy, "steps")
-            _diverged(kernel, info, symptom, finite=True)
-            return
+        if math.isfinite(value) and math.isfinite(statistic):
+            energy = value + kernel.kinetic_energy_of(statistic, info.step_size)
+            if run.sentinel.diverged(statistic, energy):
+                symptom = _out_of_bounds(kernel, statistic, energy, "steps")
+                _diverged(kernel, info, symptom, finite=True)
+                return
         state.adaptation.observe_statistic(statistic, value)
     if not math.isfinite(value):
         _diverged(kernel, info, f"the minibatch potential energy is {value}")
