@@ -280,12 +280,15 @@ def _advice(kernel, warmup: bool) -> str:
     if adaptation is None or not kernel.adapt_step_size or warmup:
         return f"try a smaller step_size (now {now:.3g})"
     target = kernel.hyper.target_excess
+    # (posteriordb's sblrc-blr: after 500 warm-up steps SGHMC diverged at draw 78, after
+    # 2,000 it sampled the posterior)
     return (
-        f"the step size warm-up adapted, {now:.3g}, is too large for a direction it did "
-        f"not see; pass a smaller target_excess (now {target:g}; {target / 4:g} about "
-        "halves SGHMC's and SGNHT's step and quarters SGLD's) or more warmup_steps, or "
-        f"adapt_step_size=False with step_size={adaptation.unit_step_size() / 2:.3g} (half "
-        "the adapted step, for the unit mass)"
+        f"the step size warm-up adapted, {now:.3g}, is too large for where the chain went; "
+        "run more warmup_steps (warm-up may have ended before the chain reached the "
+        f"posterior), or pass a smaller target_excess (now {target:g}; {target / 4:g} about "
+        "halves SGHMC's and SGNHT's step and quarters SGLD's), or adapt_step_size=False "
+        f"with step_size={adaptation.unit_step_size() / 2:.3g} (half the adapted step, for "
+        "the unit mass)"
     )
 
 
