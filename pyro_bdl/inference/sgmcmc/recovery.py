@@ -63,8 +63,8 @@ import torch
 
 __all__ = ["CALM", "DIVERGED", "MAX_RECOVERIES", "Recovery", "Sentinel"]
 
-#: A read is out of bounds when its excess over the target is this many times the larger
-#: of the target and the statistic's spread before (and the potential is at a new high).
+#: A read is out of bounds when the statistic is this many spreads above its running mean
+#: (the spread: the larger of the target and the statistic's running standard deviation).
 DIVERGED = 20.0
 #: Energies remembered (of reads in bounds); half as many arm the sentinel.
 HISTORY = 20
@@ -151,9 +151,8 @@ class Recovery:
     """Warm-up's copy of a chain's last sane state and the recoveries made from it.
 
     Besides the chain's start, a copy is taken only when the sentinel has judged the
-    reads since the last one and found them in bounds: a chain that diverges before it
-    can be judged (a step size far too large from the start) is set back to where it
-    started.
+    reads since the last one and found them calm: a chain that diverges before it can be
+    judged (a step size far too large from the start) is set back to where it started.
 
     :param state: the chain's :class:`~pyro_bdl.inference.sgmcmc.state.ChainState`,
         whose ``adaptation`` adapts the step size.
