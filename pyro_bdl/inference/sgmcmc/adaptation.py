@@ -582,8 +582,10 @@ class _Trend:
             return False
         before, after = values[: self.length], values[self.length :]
         mean_before, mean_after = sum(before) / self.length, sum(after) / self.length
-        spread = sum((v - mean_before) ** 2 for v in before) + sum(
-            (v - mean_after) ** 2 for v in after
+        # products, not powers: a diverging chain's potential (1e200) squares to inf
+        # where ** raises OverflowError
+        spread = sum((v - mean_before) * (v - mean_before) for v in before) + sum(
+            (v - mean_after) * (v - mean_after) for v in after
         )
         error = math.sqrt(2 * spread / ((2 * self.length - 2) * self.length))
         return mean_after < mean_before - 2 * error

@@ -43,6 +43,16 @@ def test_the_mass_is_dense_for_few_parameters_and_diagonal_when_asked_or_many():
     assert dense.scale is None and dense.state()[0].keys().isdisjoint({"scale/0", "means/0"})
 
 
+def test_a_potential_too_large_to_square_leaves_the_divergence_to_the_kernel():
+    # (the trend of the potential squared it and raised OverflowError, met on
+    # posteriordb's gp_pois_regr; the kernel's check names a divergence instead)
+    adaptation = new_adaptation(Hyperparameters(dense_mass=False), _theta(3), 100, 10, False)
+    adaptation.observe_gradient([torch.ones(3, dtype=F64)])
+    for step in range(30):
+        adaptation.observe_statistic(0.5, 1e200 * (-1) ** step)
+    assert math.isfinite(adaptation.step_size)
+
+
 def test_the_methods_rules_bound_the_step_size():
     # SGHMC keeps step_size * friction / mass <= 1 in adapted units, SGNHT half that.
     hmc = SGHMCHyperparameters(friction=4.0, mass=2.0)
