@@ -238,6 +238,13 @@ class Adaptation:
     # -- the kernel's calls ----------------------------------------------------------
 
     @property
+    def langevin(self) -> bool:
+        """Whether the warm-up step in progress takes Langevin dynamics' step instead of
+        the method's (see :mod:`~pyro_bdl.inference.sgmcmc.langevin`): never under a
+        diagonal mass, whose estimate reads the gradients alone."""
+        return False
+
+    @property
     def unit_scale(self) -> list[torch.Tensor] | None:
         """The :math:`D^{-1/2}` the method's update applies itself (None: a unit mass)."""
         return self.scale
