@@ -46,14 +46,14 @@ its positions over ten steps are a smooth path along the steady force of the way
 (about a tenth of the spread), so :math:`C` is nearly of rank one and the soft directions
 keep the first metric. Measured on posteriordb's kidiq (``kidscore_momiq``, the first
 metric :math:`10^{-7}` against the posterior's largest variance 36): with SGHMC's own
-steps the metric's largest eigenvalue was :math:`6 \times 10^{-7}` after the start
-buffer and 0.017 at the end of warm-up, and the draws sat at the start, 4.2 sds off; with
+steps the metric's largest eigenvalue was :math:`6 \times 10^{-7}` after the start buffer
+and 0.017 at the end of warm-up, and the draws sat at the start, 4.2 sds off; with
 Langevin steps in the start buffer it reaches the posterior and the draws are within 0.07
 sds. On the 43 posteriors at full batch SGHMC and SGNHT went from 54 to 70 of 86 runs
-right, and none that was right before is not right after (``docs/posteriordb.md``). Langevin steps in the
-slow windows too measured 76 of 86, but the mixture ``low_dim_gauss_mix``, right before,
-came in so slowly that its draws were 100 sds off (warned): SGHMC's momenta cross a long
-way in faster, once the first metric is there.
+right, and none that was right before is not right after (``docs/posteriordb.md``).
+Langevin steps in the slow windows too measured 76 of 86, but the mixture
+``low_dim_gauss_mix``, right before, came in so slowly that its draws were 100 sds off
+(warned): SGHMC's momenta cross a long way in faster, once the first metric is there.
 
 **The windows' metric.** :math:`\hat\Sigma` is estimated every ``START_BLOCK`` (10) steps
 of the start buffer (on the way in the curvature changes as the chain moves: kidiq's
