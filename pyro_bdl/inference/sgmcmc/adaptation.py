@@ -211,6 +211,7 @@ class Adaptation:
         self._start = start
         self._exponent = step_exponent
         self._max_step_size = max_step_size  # lowered by each recovery from a divergence
+        self._method_max_step_size = max_step_size
         self._units = 1.0  # a step size in these units per step size for the unit mass
         self._relaxation = relaxation
         self._data_parallel = data_parallel
@@ -408,7 +409,15 @@ class Adaptation:
                 for flat in (*self._means.flats, *self._squares.flats):
                     flat.zero_()
             self._count = 0
+        langevin = self.langevin
         self._window += 1
+        if langevin and not self.langevin:
+            # A recovery's ceiling is of the dynamics that diverged: the method's own are
+            # stable up to a larger step (SGHMC's to 2 / sqrt(curvature), Langevin's to
+            # 2 / curvature), and get their own recoveries. (Kept, posteriordb's arK
+            # diverged in the start buffer and SGHMC sampled it at a step of 0.058, not
+            # 0.43, with R-hat 1.12.)
+            self._max_step_size = self._method_max_step_size
         if last:
             self.finish()
         elif self._data_parallel:

@@ -53,6 +53,26 @@ def test_a_potential_too_large_to_square_leaves_the_divergence_to_the_kernel():
     assert math.isfinite(adaptation.step_size)
 
 
+def test_a_recovery_in_the_langevin_start_buffer_does_not_cap_the_methods_own_steps():
+    # The dense start buffer takes Langevin steps; a divergence there halves the step,
+    # and the ceiling is Langevin's: SGHMC's steps may grow past it afterwards.
+    hyper = SGHMCHyperparameters()
+    adaptation = new_adaptation(hyper, _theta(3), 500, 10, False)
+    adaptation.start(curvature=1.0)
+    start_buffer_end = adaptation._windows[0].end
+    grown = []
+    for iteration in range(start_buffer_end + 20):  # (within the first slow window)
+        if iteration == 10:
+            adaptation.recover(adaptation.step_size)  # a divergence at the start step
+            ceiling = adaptation.step_size
+        adaptation.observe_statistic(-1.0, 100.0)  # far below target: the step grows
+        adaptation.end_step(iteration)
+        if iteration >= 10:
+            grown.append((adaptation.langevin, adaptation.step_size))
+    assert all(step <= ceiling for langevin, step in grown if langevin)
+    assert grown[-1][1] > 2 * ceiling
+
+
 def test_the_methods_rules_bound_the_step_size():
     # SGHMC keeps step_size * friction / mass <= 1 in adapted units, SGNHT half that.
     hmc = SGHMCHyperparameters(friction=4.0, mass=2.0)
