@@ -211,6 +211,7 @@ class Adaptation:
         self._start = start
         self._exponent = step_exponent
         self._max_step_size = max_step_size  # lowered by each recovery from a divergence
+        self._method_max_step_size = max_step_size
         self._units = 1.0  # a step size in these units per step size for the unit mass
         self._relaxation = relaxation
         self._data_parallel = data_parallel
@@ -236,6 +237,13 @@ class Adaptation:
                 flat.zero_()
 
     # -- the kernel's calls ----------------------------------------------------------
+
+    @property
+    def langevin(self) -> bool:
+        """Whether the warm-up step in progress takes Langevin dynamics' step instead of
+        the method's (see :mod:`~pyro_bdl.inference.sgmcmc.langevin`): never under a
+        diagonal mass, whose estimate reads the gradients alone."""
+        return False
 
     @property
     def unit_scale(self) -> list[torch.Tensor] | None:
@@ -401,7 +409,15 @@ class Adaptation:
                 for flat in (*self._means.flats, *self._squares.flats):
                     flat.zero_()
             self._count = 0
+        langevin = self.langevin
         self._window += 1
+        if langevin and not self.langevin:
+            # A recovery's ceiling is of the dynamics that diverged: the method's own are
+            # stable up to a larger step (SGHMC's to 2 / sqrt(curvature), Langevin's to
+            # 2 / curvature), and get their own recoveries. (Kept, posteriordb's arK
+            # diverged in the start buffer and SGHMC sampled it at a step of 0.058, not
+            # 0.43, with R-hat 1.12.)
+            self._max_step_size = self._method_max_step_size
         if last:
             self.finish()
         elif self._data_parallel:
@@ -582,8 +598,10 @@ class _Trend:
             return False
         before, after = values[: self.length], values[self.length :]
         mean_before, mean_after = sum(before) / self.length, sum(after) / self.length
-        spread = sum((v - mean_before) ** 2 for v in before) + sum(
-            (v - mean_after) ** 2 for v in after
+        # products, not powers: a diverging chain's potential (1e200) squares to inf
+        # where ** raises OverflowError
+        spread = sum((v - mean_before) * (v - mean_before) for v in before) + sum(
+            (v - mean_after) * (v - mean_after) for v in after
         )
         error = math.sqrt(2 * spread / ((2 * self.length - 2) * self.length))
         return mean_after < mean_before - 2 * error

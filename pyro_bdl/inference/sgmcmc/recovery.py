@@ -37,21 +37,22 @@ Why it is sound with minibatch noise, which heats a chain and makes its statisti
   potential falls: its energy does not rise.
 
 **Recovery in warm-up** (:class:`Recovery`), whose draws are discarded anyway: at the
-chain's first step, and every ``SNAPSHOT_EVERY`` (25) steps after ``SNAPSHOT_EVERY``
-calm reads in a row (within ``CALM`` spreads of the mean), the chain's position and its
-adaptation's state (:meth:`~pyro_bdl.inference.sgmcmc.adaptation.Adaptation.state`, as
-a checkpoint holds it) are copied. A divergence sets both back to that copy, draws the
-momenta afresh, and halves the step size that diverged, which becomes the largest the
-adaptation may take from then on (``Adaptation.recover``): the statistic averaged over
-directions did not see the divergence coming, and would grow the step back to it. What
-the diverging steps fed the adaptation (the window's gradients, the step size's
-running spread) and the sentinel goes with the state set back. The copy holds the
-adaptation's buffers and the parameters once more during warm-up (on the MLP, 8.5
-times its parameters), and costs a pass over them per 25 steps. More than
-``MAX_RECOVERIES`` (4) recoveries in a row, without a new copy between them, stop the
-chain with a :class:`~pyro_bdl.inference.sgmcmc.divergence.DivergenceError` that names
-the step size to start from. After warm-up a divergence is never recovered from: it
-stops the chain, with the draws kept before it.
+chain's second step (its first sets the first step size), and every ``SNAPSHOT_EVERY``
+(25) steps after ``SNAPSHOT_EVERY`` calm reads in a row (within ``CALM`` spreads of the
+mean), the chain's position and its adaptation's state
+(:meth:`~pyro_bdl.inference.sgmcmc.adaptation.Adaptation.state`, as a checkpoint holds
+it) are copied. A divergence sets both back to that copy, draws the momenta afresh, and
+halves the step size that diverged, which becomes the largest the adaptation may take
+from then on (``Adaptation.recover``): the statistic averaged over directions did not see
+the divergence coming, and would grow the step back to it. What the diverging steps fed
+the adaptation (the window's gradients, the step size's running spread) and the sentinel
+goes with the state set back. The copy holds the adaptation's buffers and the parameters
+once more during warm-up (on the MLP, 8.5 times its parameters), and costs a pass over
+them per 25 steps. More than ``MAX_RECOVERIES`` (4) recoveries in a row, without a new
+copy between them, stop the chain with a
+:class:`~pyro_bdl.inference.sgmcmc.divergence.DivergenceError` that names the step size
+to start from. After warm-up a divergence is never recovered from: it stops the chain,
+with the draws kept before it.
 """
 
 from __future__ import annotations
@@ -171,10 +172,12 @@ class Recovery:
 
     def save(self, step: int) -> None:
         """Copy the chain's state if ``step`` (the warm-up step about to be taken) is due."""
+        state = self._state
+        if state.adaptation.step_size is None:
+            return  # not begun: the chain's first step sets its first step size (and metric)
         sane = self._sentinel.calm >= SNAPSHOT_EVERY  # every read since the last copy
         if self._theta is not None and (step % SNAPSHOT_EVERY or not sane):
             return
-        state = self._state
         with torch.no_grad():
             if self._theta is None:
                 self._theta = [t.detach().clone() for t in state.theta]

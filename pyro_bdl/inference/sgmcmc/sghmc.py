@@ -103,7 +103,8 @@ class SGHMC(SGMCMCKernel):
     :mod:`~pyro_bdl.inference.sgmcmc.adaptation`; ``step_size`` is then optional. A
     model of at most 200 parameters gets a dense mass :math:`(L L^\top)^{-1}` instead
     (:mod:`~pyro_bdl.inference.sgmcmc.dense`): the same step with :math:`L` for
-    :math:`D^{-1/2}`.
+    :math:`D^{-1/2}`; its start buffer takes Langevin steps, whose positions the first
+    dense metric needs (see :mod:`~pyro_bdl.inference.sgmcmc.dense`).
     ``step_size * friction / mass`` must be below 2 (the momentum's factor per step,
     :math:`1 - \epsilon\alpha/\sigma^2`, would otherwise reach -1).
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pyro_bdl.inference.sgmcmc import langevin
 from pyro_bdl.inference.sgmcmc.base import SGMCMCKernel
 from pyro_bdl.inference.sgmcmc.hyperparameters import Hyperparameters
 from pyro_bdl.inference.sgmcmc.state import ChainState
@@ -18,14 +19,10 @@ __all__ = ["SGLD"]
 class SGLDState(ChainState):
     """SGLD's chain: the parameters alone (nothing auxiliary to save).
 
-    :ivar drift_norm: during an adapting warm-up step, the squared norm of the
-        preconditioned drift :math:`|D^{-1/2} g|^2` (a device scalar) that the step-size
-        statistic reads.
     :ivar inverse_mass: after warm-up, the adapted :math:`D^{-1}` (derived from
         ``scale``, so not saved), which makes a step two passes over the parameters.
     """
 
-    drift_norm: torch.Tensor | None = None
     inverse_mass: list[torch.Tensor] | None = None
 
 
@@ -101,14 +98,10 @@ class SGLD(SGMCMCKernel):
     def update(self, theta: list[torch.Tensor], grads: list[torch.Tensor], step_size: float):
         state, num_data = self.state, self.num_data
         scale = state.scale
-        noise_scale = math.sqrt(2 * step_size * self.temperature / num_data)
         if scale is None:
-            if state.adapting:
-                state.drift_norm = _squared_norm(grads)
-            torch._foreach_add_(theta, grads, alpha=step_size / num_data)
-            if self.temperature > 0:
-                torch._foreach_add_(theta, self.standard_normal(), alpha=noise_scale)
+            langevin.update(self, theta, grads, step_size)
             return
+        noise_scale = math.sqrt(2 * step_size * self.temperature / num_data)
         if not state.adapting:
             # The mass is fixed: theta += eps / N D^{-1} g + sqrt(2 eps T / N) D^{-1/2} xi,
             # two passes, as many as the fixed kernel's.
@@ -121,7 +114,7 @@ class SGLD(SGMCMCKernel):
         # theta += D^{-1/2} (eps / N D^{-1/2} g + sqrt(2 eps T / N) xi), built in the
         # gradient tensors, which belong to this step.
         torch._foreach_mul_(grads, scale)
-        state.drift_norm = _squared_norm(grads)
+        state.drift_norm = langevin.squared_norm(grads)
         if self.temperature > 0:
             torch._foreach_add_(
                 grads, self.standard_normal(), alpha=noise_scale * num_data / step_size
@@ -129,12 +122,5 @@ class SGLD(SGMCMCKernel):
         torch._foreach_addcmul_(theta, grads, scale, value=step_size / num_data)
 
     def adaptation_statistic(self, step_size: float) -> torch.Tensor:
-        # SGLD is SGHMC with step_size * friction / mass = 1: its momentum, fresh noise
-        # plus the kick, exceeds a free particle's kinetic temperature by
-        # eps |D^{-1/2} g|^2 / (2 T N d) on average.
-        scale = 2 * self.temperature * self.num_data * self.dimension
-        return self.state.drift_norm * (step_size / scale)
-
-
-def _squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(torch._foreach_norm(tensors)).square().sum()
+        # SGLD is SGHMC with step_size * friction / mass = 1 (see langevin.statistic)
+        return langevin.statistic(self, step_size)

@@ -215,6 +215,6 @@ class SGNHT(SGHMC):
     def _equilibrium_advice(self, cold: bool) -> str:
         xi = float(self.state.thermostat)
         if cold and xi > self.friction:
-            cooling = self.step_size * self.temperature / self.num_data
+            cooling = self.adapted_step_size * self.temperature / self.num_data
             return thermostat_advice(xi, self.friction, cooling)
         return super()._equilibrium_advice(cold)

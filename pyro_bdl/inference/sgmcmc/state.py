@@ -40,6 +40,10 @@ class ChainState:
         :mod:`~pyro_bdl.inference.sgmcmc.adaptation`), or None when nothing adapts.
     :ivar scale: :math:`D^{-1/2}` of an adapted diagonal mass per parameter, or None.
     :ivar bool adapting: whether the step in progress is an adapting warm-up step.
+    :ivar drift_norm: during an adapting Langevin step (SGLD's, and every method's in
+        the dense mass's warm-up windows), the squared norm of the preconditioned drift
+        :math:`|D^{-1/2} g|^2` (a device scalar) that the step-size statistic reads (see
+        :mod:`~pyro_bdl.inference.sgmcmc.langevin`).
     :ivar float potential_energy: the last minibatch potential energy read from the
         device (on a GPU, of the step before).
     """
@@ -55,6 +59,7 @@ class ChainState:
     adaptation: object = None
     scale: list[torch.Tensor] | None = None
     adapting: bool = False
+    drift_norm: torch.Tensor | None = None
     potential_energy: float = math.nan
 
     def __post_init__(self):

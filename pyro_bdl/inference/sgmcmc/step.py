@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from pyro_bdl.inference.sgmcmc import langevin
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, norm
 from pyro_bdl.inference.sgmcmc.divergence import (
     DivergenceError,
@@ -88,11 +89,12 @@ def step(kernel, record: bool) -> None:
         if adaptation is None:
             kernel.update(state.theta, grads, info.step_size)
         else:
-            adaptation.apply(kernel.update, state.theta, grads, info.step_size, adapting)
+            update, statistic_of = _dynamics(kernel, adapting and adaptation.langevin)
+            adaptation.apply(update, state.theta, grads, info.step_size, adapting)
         watched = potential
         if adapting and kernel.adapt_step_size:
             # The statistic travels with the potential: still one read per step.
-            statistic = kernel.adaptation_statistic(info.step_size)
+            statistic = statistic_of(info.step_size)
             watched = torch.stack([torch.as_tensor(potential).to(statistic), statistic])
     ready = run.watch.push(watched, info)
     if ready is not None:
@@ -108,6 +110,17 @@ def _end_step(kernel, info: StepInfo) -> None:
             kernel.refresh()
     state.step += 1
     kernel.run.info = info
+
+
+def _dynamics(kernel, langevin_step: bool) -> tuple:
+    """The update and step-size statistic of this step: the method's, or Langevin
+    dynamics' where the adaptation asks for them (see
+    :mod:`~pyro_bdl.inference.sgmcmc.langevin`)."""
+    if langevin_step:
+        return functools.partial(langevin.update, kernel), functools.partial(
+            langevin.statistic, kernel
+        )
+    return kernel.update, kernel.adaptation_statistic
 
 
 def _check_potential(kernel, value: float | list[float], info: StepInfo) -> None:

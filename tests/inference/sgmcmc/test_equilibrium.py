@@ -111,6 +111,16 @@ def test_sgnht_with_its_transient_in_the_draws_warns_that_it_is_too_narrow():
     assert sum(stats[2000:]) / 2000 < 0.5
 
 
+def test_the_thermostat_advice_of_an_adapted_step_reads_the_step_the_chain_ran_with():
+    # (it read the step_size given, None when warm-up finds it: a TypeError instead of
+    # the advice, met on posteriordb's low_dim_gauss_mix)
+    _, kernel, _ = _run(SGNHT(_model()), warmup_steps=20, num_samples=50)
+    kernel.state.thermostat.fill_(5.0)
+    advice = kernel._equilibrium_advice(cold=True)
+    cooling = kernel.adapted_step_size * kernel.temperature / kernel.num_data
+    assert "thermostat is at 5" in advice and f"{cooling:.2g} per step" in advice
+
+
 def test_kinetic_temperature_is_n_m_m_over_mass_d_and_zero_temperature_never_warns():
     model = _model()
     kernel = SGHMC(model, step_size=0.01, mass=2.0, temperature=0.0)

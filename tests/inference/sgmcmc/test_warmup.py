@@ -43,6 +43,36 @@ def test_the_mass_is_dense_for_few_parameters_and_diagonal_when_asked_or_many():
     assert dense.scale is None and dense.state()[0].keys().isdisjoint({"scale/0", "means/0"})
 
 
+def test_a_potential_too_large_to_square_leaves_the_divergence_to_the_kernel():
+    # (the trend of the potential squared it and raised OverflowError, met on
+    # posteriordb's gp_pois_regr; the kernel's check names a divergence instead)
+    adaptation = new_adaptation(Hyperparameters(dense_mass=False), _theta(3), 100, 10, False)
+    adaptation.observe_gradient([torch.ones(3, dtype=F64)])
+    for step in range(30):
+        adaptation.observe_statistic(0.5, 1e200 * (-1) ** step)
+    assert math.isfinite(adaptation.step_size)
+
+
+def test_a_recovery_in_the_langevin_start_buffer_does_not_cap_the_methods_own_steps():
+    # The dense start buffer takes Langevin steps; a divergence there halves the step,
+    # and the ceiling is Langevin's: SGHMC's steps may grow past it afterwards.
+    hyper = SGHMCHyperparameters()
+    adaptation = new_adaptation(hyper, _theta(3), 500, 10, False)
+    adaptation.start(curvature=1.0)
+    start_buffer_end = adaptation._windows[0].end
+    grown = []
+    for iteration in range(start_buffer_end + 20):  # (within the first slow window)
+        if iteration == 10:
+            adaptation.recover(adaptation.step_size)  # a divergence at the start step
+            ceiling = adaptation.step_size
+        adaptation.observe_statistic(-1.0, 100.0)  # far below target: the step grows
+        adaptation.end_step(iteration)
+        if iteration >= 10:
+            grown.append((adaptation.langevin, adaptation.step_size))
+    assert all(step <= ceiling for langevin, step in grown if langevin)
+    assert grown[-1][1] > 2 * ceiling
+
+
 def test_the_methods_rules_bound_the_step_size():
     # SGHMC keeps step_size * friction / mass <= 1 in adapted units, SGNHT half that.
     hmc = SGHMCHyperparameters(friction=4.0, mass=2.0)
