@@ -57,7 +57,7 @@ Run::
         --sizes num_train=256 num_validation=192 num_test=384 num_steps=96 eval_every=32
 
 ``--sizes NAME=VALUE ...`` overrides :data:`FULL`'s sizes (the other tasks' prompts are
-up to eight times as long as SST-2's, and so costs a step); each cell records its own.
+up to eight times as long as SST-2's, and so is a step); each cell records its own.
 """
 
 from __future__ import annotations
