@@ -58,6 +58,10 @@ def run_experiment(name: str, **options) -> dict:
         raise ValueError(
             f"--model: the {name} experiment builds its own network; only lm-ood takes --model"
         )
+    if options.get("sizes") and "sizes" not in getattr(module, "OPTIONS", ()):
+        raise ValueError(
+            f"--sizes: the {name} experiment has fixed sizes; only llm-learnability takes --sizes"
+        )
     return module.run(Experiment(name=name, **options))
 
 
@@ -85,6 +89,8 @@ def main(
     options = vars(args)
     for flag in ("quiet", "verbose"):
         del options[flag]
+    if options["sizes"] is not None:
+        options["sizes"] = dict(options["sizes"])
     try:
         run_experiment(options.pop("name", name), **options)
     except (ValueError, FileNotFoundError) as error:  # bad names, malformed data: one line
@@ -136,7 +142,28 @@ def _parser(prog: str, name: str | None) -> Parser:
         type=_model_directory,
         help="a local Hugging Face causal LM to use as the base (lm-ood)",
     )
+    parser.add_argument(
+        "--sizes",
+        type=_size,
+        nargs="+",
+        metavar="NAME=VALUE",
+        help="override these of the experiment's sizes, e.g. num_train=256 lr=3e-3 "
+        "(llm-learnability)",
+    )
     return parser
+
+
+def _size(text: str) -> tuple[str, int | float]:
+    """``NAME=VALUE`` -> ``(NAME, VALUE)``, the value an int when it is written as one."""
+    name, equals, value = text.partition("=")
+    if not (name and equals):
+        raise argparse.ArgumentTypeError(f"a size is NAME=VALUE, got {text!r}")
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(f"a size must be a number, got {text!r}")
 
 
 def _model_directory(text: str) -> str:

@@ -52,6 +52,12 @@ Run::
 
     python -m experiments llm-learnability --data-dir ../shared/data \\
         --out results/llm-learnability --datasets sst2
+    python -m experiments llm-learnability --data-dir ../shared/data \\
+        --out results/llm-learnability-tasks --datasets arc_easy --seeds 0 \\
+        --sizes num_train=256 num_validation=192 num_test=384 num_steps=96 eval_every=32
+
+``--sizes NAME=VALUE ...`` overrides :data:`FULL`'s sizes (the other tasks' prompts are
+up to eight times as long as SST-2's, and so is a step); each cell records its own.
 """
 
 from __future__ import annotations
@@ -73,9 +79,12 @@ from pyro_bdl.priors import LayerwiseNormal
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ["TASKS", "METHODS", "FrozenPrefix", "run"]
+__all__ = ["TASKS", "METHODS", "OPTIONS", "FrozenPrefix", "run"]
 
 METHODS = ("MAP", "MAP+TS", "LA")
+#: ``--sizes`` overrides :data:`FULL` (or :data:`QUICK`): the tasks' prompts differ in
+#: length by a factor of eight, so one set of sizes does not fit every task's time.
+OPTIONS = ("sizes",)
 
 #: dataset -> (prompt template or None for the papers', load() options)
 TASKS = {
@@ -406,7 +415,7 @@ def _set_module(lora, values) -> None:
 def run(experiment: Experiment) -> dict:
     """Learning curves of SmolLM2 + LoRA on each task, ``learning_curves.png``, and the
     methods at the last step (``learnability.md``)."""
-    sizes = QUICK if experiment.quick else FULL
+    sizes = _sizes(QUICK if experiment.quick else FULL, experiment.sizes or {})
     experiment.settings.update(sizes)
     datasets = experiment.selected("datasets", TASKS)
     experiment.selected("methods", METHODS)  # refuses a name it does not have, before any work
@@ -444,6 +453,27 @@ def run(experiment: Experiment) -> dict:
     _plot(results, experiment.out / "learning_curves.png")
     experiment.write_results(results)
     return results
+
+
+def _sizes(defaults: dict, overrides: dict) -> dict:
+    """``defaults`` with ``overrides`` (``--sizes``), checked: known names, numbers of
+    the default's kind (an int where the default is one), counts >= 1, a lr > 0."""
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ValueError(f"--sizes: {unknown} are not among {sorted(defaults)}")
+    sizes = dict(defaults)
+    for name, value in overrides.items():
+        if isinstance(defaults[name], int) and not isinstance(value, int):
+            raise ValueError(f"--sizes: {name} must be an int, got {value!r}")
+        if not value > 0:
+            raise ValueError(f"--sizes: {name} must be > 0, got {value!r}")
+        sizes[name] = type(defaults[name])(value)
+    if sizes["num_steps"] % sizes["eval_every"]:
+        raise ValueError(
+            f"--sizes: num_steps ({sizes['num_steps']}) must be a multiple of eval_every "
+            f"({sizes['eval_every']}), the steps between two points of the learning curve"
+        )
+    return sizes
 
 
 def _numbers(scores: dict) -> dict:

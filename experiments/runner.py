@@ -50,6 +50,8 @@ class Experiment:
     :param str model: a local Hugging Face model directory to use instead of the
         experiment's own network (only experiments whose module lists ``"model"`` in
         ``OPTIONS`` take it).
+    :param dict sizes: override these of the experiment's sizes (only experiments whose
+        module lists ``"sizes"`` in ``OPTIONS`` take it; each checks the names).
     """
 
     name: str
@@ -62,6 +64,7 @@ class Experiment:
     device: str = "cpu"
     epochs: int | None = None
     model: str | None = None
+    sizes: dict | None = None
     settings: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 

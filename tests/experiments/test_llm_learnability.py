@@ -9,13 +9,16 @@ import pytest
 import torch
 from tiny_models import tiny_llama
 
+from experiments import main, run_experiment
 from experiments.llm_learnability import (
+    FULL,
     METHODS,
     FrozenPrefix,
     _compare,
     _loader,
     _map_probabilities,
     _score,
+    _sizes,
     _split,
 )
 from pyro_bdl.data import load
@@ -86,3 +89,34 @@ def test_the_methods_are_scored_at_the_fine_tune():
     for scores in methods.values():
         assert 0.0 <= scores["accuracy"] <= 1.0 and math.isfinite(scores["nll"])
     assert isinstance(lora.net.prior, IIDNormal)  # Laplace's fan-in prior was put back
+
+
+def test_sizes_override_the_defaults_and_are_checked():
+    sizes = _sizes(FULL, {"num_train": 256, "lr": 3, "num_steps": 96, "eval_every": 32})
+    assert sizes == {**FULL, "num_train": 256, "lr": 3.0, "num_steps": 96, "eval_every": 32}
+    assert isinstance(sizes["lr"], float) and FULL["num_train"] == 512  # defaults kept
+    for overrides, message in [
+        ({"num_trian": 256}, r"\['num_trian'\] are not among"),
+        ({"num_train": 25.6}, "num_train must be an int"),
+        ({"lr": 0}, "lr must be > 0"),
+        ({"num_steps": 100}, "multiple of eval_every"),
+    ]:
+        with pytest.raises(ValueError, match=f"--sizes: .*{message}"):
+            _sizes(FULL, overrides)
+
+
+def test_the_command_line_passes_sizes_to_the_experiment_that_takes_them(
+    capsys, tmp_path, shared_data
+):
+    # A bad name is refused before any model is loaded or any cell is written.
+    command = ["llm-learnability", "--data-dir", str(shared_data), "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit:
+        main([*command, "--sizes", "num_train=8", "top_layer=2"])
+    # sys.exit(message): status 1, the message on stderr
+    assert exit.value.code.startswith("python -m experiments: error: --sizes: ['top_layer']")
+    with pytest.raises(SystemExit) as exit:
+        main([*command, "--sizes", "num_train"])
+    assert exit.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
+    assert not list((tmp_path / "cells").iterdir())
+    with pytest.raises(ValueError, match="--sizes: the ood experiment has fixed sizes"):
+        run_experiment("ood", data_dir=shared_data, out=tmp_path, sizes={"num_train": 8})
