@@ -31,8 +31,8 @@ The tasks (prompts end in the answer's position; the label tokens score the choi
   of this experiment: SST-2 has none in the papers; these two tokens are the model's
   own top answers after it, zero shot);
 - ``imdb``: the same template and tokens on IMDB's film reviews, a second sentiment task
-  from another corpus (reviews of 230 words on average: a review cut to the prompt
-  length loses its beginning, not the question);
+  from another corpus (a long review cut to the prompt length loses its beginning, not
+  its end and the answer's position);
 - ``boolq``: the passage first, ``{passage}\\nQuestion: {question}? Answer True or
   False.\\nAnswer:`` -> `` False`` / `` True``, so that a long passage cut to the
   prompt length loses its beginning, not the question;
