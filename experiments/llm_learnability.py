@@ -30,6 +30,9 @@ The tasks (prompts end in the answer's position; the label tokens score the choi
 - ``sst2``: ``Review: {text}\\nSentiment:`` -> `` negative`` / `` positive`` (a template
   of this experiment: SST-2 has none in the papers; these two tokens are the model's
   own top answers after it, zero shot);
+- ``imdb``: the same template and tokens on IMDB's film reviews, a second sentiment task
+  from another corpus (a long review cut to the prompt length loses its beginning, not
+  its end and the answer's position);
 - ``boolq``: the passage first, ``{passage}\\nQuestion: {question}? Answer True or
   False.\\nAnswer:`` -> `` False`` / `` True``, so that a long passage cut to the
   prompt length loses its beginning, not the question;
@@ -89,12 +92,13 @@ OPTIONS = ("sizes",)
 #: dataset -> (prompt template or None for the papers', load() options)
 TASKS = {
     "sst2": ("Review: {text}\nSentiment:", {}),
+    "imdb": ("Review: {text}\nSentiment:", {}),
     "winogrande_s": (None, {}),
     "obqa": (None, {}),
     "arc_easy": (None, {"num_choices": 4}),
     "boolq": ("{passage}\nQuestion: {question}? Answer True or False.\nAnswer:", {}),
 }
-_LABELS = {"sst2": [" negative", " positive"]}
+_LABELS = {"sst2": [" negative", " positive"], "imdb": [" negative", " positive"]}
 
 #: The CPU run. ``top_layers`` and ``lr`` were chosen by probes of 30-48 steps scored on
 #: the first 256 of SST-2's held-out draw, the validation questions here (2 layers: no

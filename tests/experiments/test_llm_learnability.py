@@ -48,16 +48,17 @@ def test_the_cut_model_fed_the_prefix_computes_what_the_whole_model_does():
         FrozenPrefix(tiny_llama(0, torch.float64, vocab_size=23), top_layers=2)
 
 
-def test_validation_and_test_come_from_the_held_out_split_disjoint(shared_data):
+@pytest.mark.parametrize("dataset", ["sst2", "imdb"])
+def test_validation_and_test_come_from_the_held_out_split_disjoint(shared_data, dataset):
     sizes = {"num_train": 6, "num_validation": 5, "num_test": 7}
     experiment = SimpleNamespace(data_dir=shared_data)
-    train, validation, test = _split(experiment, "sst2", sizes, seed=0)
+    train, validation, test = _split(experiment, dataset, sizes, seed=0)
     assert (len(train), len(validation), len(test)) == (6, 5, 7)
-    held_out = {record["text"] for record in load("sst2", shared_data, "test")}
+    held_out = {record["text"] for record in load(dataset, shared_data, "test")}
     texts = [record["text"] for record in validation + test]
     assert set(texts) <= held_out and len(set(texts)) == len(texts)
     # The validation records are the held-out draw of that size (the settings' probe set).
-    assert validation == list(load("sst2", shared_data, "test", limit=5, seed=0))
+    assert validation == list(load(dataset, shared_data, "test", limit=5, seed=0))
 
 
 # Random labels: no temperature beats uniform answers, and a 5-step evidence fit is short.
