@@ -137,6 +137,7 @@ from collections.abc import Callable
 import torch
 
 from pyro_bdl import distributed
+from pyro_bdl.inference.sgmcmc import langevin
 from pyro_bdl.inference.sgmcmc.adaptation import Adaptation
 from pyro_bdl.inference.sgmcmc.device import norm
 
@@ -381,7 +382,7 @@ class DenseAdaptation(Adaptation):
         """Add a step under the final metric to the sums of :attr:`gradient_noise`."""
         fixed = self._fixed
         self._add_moments(fixed, grads)
-        fixed["heat"][0] += sum(z.square().sum() for z in whitened)
+        fixed["heat"][0] += langevin.squared_norm(whitened)
         fixed["heat"][1] += 1
 
     @property

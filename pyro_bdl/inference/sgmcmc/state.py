@@ -41,7 +41,7 @@ class ChainState:
     :ivar scale: :math:`D^{-1/2}` of an adapted diagonal mass per parameter, or None.
     :ivar bool adapting: whether the step in progress is an adapting warm-up step.
     :ivar drift_norm: during an adapting Langevin step (SGLD's, and every method's in
-        the dense mass's warm-up windows), the squared norm of the preconditioned drift
+        the dense mass's start buffer), the squared norm of the preconditioned drift
         :math:`|D^{-1/2} g|^2` (a device scalar) that the step-size statistic reads (see
         :mod:`~pyro_bdl.inference.sgmcmc.langevin`).
     :ivar float potential_energy: the last minibatch potential energy read from the

@@ -131,12 +131,9 @@ def _check_potential(kernel, value: float | list[float], info: StepInfo) -> None
     state = run.state
     if isinstance(value, list):
         value, statistic = value
-        if math.isfinite(value) and math.isfinite(statistic):
-            energy = value + kernel.kinetic_energy_of(statistic, info.step_size)
-            if run.sentinel.diverged(statistic, energy):
-                symptom = _out_of_bounds(kernel, statistic, energy, "steps")
-                _diverged(kernel, info, symptom, finite=True)
-                return
+        finite = math.isfinite(value) and math.isfinite(statistic)
+        if finite and _judged_diverged(kernel, info, statistic, value, "steps"):
+            return
         state.adaptation.observe_statistic(statistic, value)
     if not math.isfinite(value):
         _diverged(kernel, info, f"the minibatch potential energy is {value}")
@@ -144,14 +141,21 @@ def _check_potential(kernel, value: float | list[float], info: StepInfo) -> None
     state.potential_energy = value
 
 
-def _out_of_bounds(kernel, statistic: float, energy: float, reads: str) -> str:
-    """The symptom of a divergence the sentinel found, in words."""
-    return (
+def _judged_diverged(kernel, info: StepInfo, statistic: float, potential: float, reads: str):
+    """Give the sentinel a read of the statistic and the energy (both finite); when it
+    completes a divergence, set the chain back or stop it (:func:`_diverged`), and return
+    True. ``reads``: what was read, steps or kept draws."""
+    energy = potential + kernel.kinetic_energy_of(statistic, info.step_size)
+    if not kernel.run.sentinel.diverged(statistic, energy):
+        return False
+    symptom = (
         f"the excess of the kinetic temperature read {statistic:.3g} (above "
         f"{DIVERGED:g} times its spread before and its target "
         f"{kernel.hyper.target_excess:g}) while the energy (potential plus kinetic) rose to "
         f"a new high, {energy:.4g}, two {reads} in a row"
     )
+    _diverged(kernel, info, symptom, finite=True)
+    return True
 
 
 def step_size(kernel) -> float:
@@ -209,10 +213,7 @@ def keep_draw(kernel) -> None:
         _diverged(kernel, info, f"the potential energy is {potential}")
     statistic = kernel.draw_statistic(stats, info.step_size)
     if statistic is not None and math.isfinite(statistic):
-        energy = potential + kernel.kinetic_energy_of(statistic, info.step_size)
-        if run.sentinel.diverged(statistic, energy):
-            symptom = _out_of_bounds(kernel, statistic, energy, "kept draws")
-            _diverged(kernel, info, symptom, finite=True)
+        _judged_diverged(kernel, info, statistic, potential, "kept draws")  # stops the chain
     stats.update(step_size=info.step_size, temperature=kernel.temperature)
     if kernel.function_monitor is not None:  # one forward pass on the probe batch
         kernel.function_monitor.add(state.params)
