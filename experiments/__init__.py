@@ -39,6 +39,15 @@ EXPERIMENTS = {
 }
 
 
+#: The options only some experiments take (those listing them in their ``OPTIONS``):
+#: option -> (why another experiment refuses it, the experiment that takes it).
+_OWN_OPTIONS = {
+    "epochs": ("sets a training length per method (see its module docstring)", "calibration"),
+    "model": ("builds its own network", "lm-ood"),
+    "sizes": ("has fixed sizes", "llm-learnability"),
+}
+
+
 def run_experiment(name: str, **options) -> dict:
     """Run experiment ``name`` with the options of :class:`Experiment`.
 
@@ -49,19 +58,11 @@ def run_experiment(name: str, **options) -> dict:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose one of {sorted(EXPERIMENTS)}")
     module = importlib.import_module(EXPERIMENTS[name])
-    if options.get("epochs") is not None and "epochs" not in getattr(module, "OPTIONS", ()):
-        raise ValueError(
-            f"--epochs: the {name} experiment sets a training length per method (see its "
-            "module docstring); only calibration takes --epochs"
-        )
-    if options.get("model") is not None and "model" not in getattr(module, "OPTIONS", ()):
-        raise ValueError(
-            f"--model: the {name} experiment builds its own network; only lm-ood takes --model"
-        )
-    if options.get("sizes") and "sizes" not in getattr(module, "OPTIONS", ()):
-        raise ValueError(
-            f"--sizes: the {name} experiment has fixed sizes; only llm-learnability takes --sizes"
-        )
+    for option, (why, taker) in _OWN_OPTIONS.items():
+        if options.get(option) not in (None, {}) and option not in getattr(module, "OPTIONS", ()):
+            raise ValueError(
+                f"--{option}: the {name} experiment {why}; only {taker} takes --{option}"
+            )
     return module.run(Experiment(name=name, **options))
 
 
