@@ -38,7 +38,8 @@ def markdown(output: dict) -> str:
     settings = output["settings"]
     lines = [
         f"Kernels from `{output.get('pyro_bdl')}` at commit `{output.get('commit')}`; "
-        f"warm-up {settings['warmup_steps']}, {settings['num_samples']} kept draws, one "
+        f"warm-up {settings['warmup_steps']}, {settings['num_samples']} kept draws "
+        f"(thin {settings.get('thin', 1)}), one "
         f"chain, seed(s) {sorted({row['seed'] for row in rows})}; minibatch B = "
         f"{settings['batch_size']} where N >= {settings['min_minibatch_n']}. A cell is the "
         "verdict (worst mean error in reference sds, range of sd / reference sd; smallest "
