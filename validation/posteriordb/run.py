@@ -22,7 +22,7 @@ Usage::
 
     python -m validation.posteriordb.run [--kernels SGLD,SGHMC,SGNHT] [--posteriors ...]
         [--minibatch | --full-batch] [--seeds 0] [--warmup-steps 1000] [--num-samples 1000]
-        [--thin 10] [--out FILE]
+        [--thin 10] [--out FILE] [--draws DIR]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 import pyro
 import torch
 from pyro.infer import MCMC
+from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyro_bdl
@@ -102,10 +103,14 @@ def run_one(
     seed: int = 0,
     settings: dict | None = None,
     time_limit: float = float("inf"),
+    draws: Path | None = None,
 ) -> dict:
     """One run of ``kernel`` with its defaults on posterior ``name``, judged.
 
     :param str mode: ``"full"`` or ``"minibatch"``.
+    :param draws: a directory to write the kept draws to, one safetensors file a run
+        (``<posterior>-<kernel>-<mode>-<seed>.safetensors``, Stan's parameter names), to
+        judge them again without running them.
     :return: the row: verdict, agreement, ESS per 1,000 gradient evaluations, cost,
         warnings.
     """
@@ -168,7 +173,12 @@ def run_one(
     if "verdict" in row:
         return row
     samples = mcmc.get_samples(group_by_chain=True)
-    summary = summarise(stan_draws(posterior, samples, model, data, reference))
+    stan = stan_draws(posterior, samples, model, data, reference)
+    if draws is not None:
+        draws.mkdir(parents=True, exist_ok=True)
+        tensors = {key: torch.as_tensor(value).contiguous() for key, value in stan.items()}
+        save_file(tensors, draws / f"{name}-{kernel}-{mode}-{seed}.safetensors")
+    summary = summarise(stan)
     agree = agreement(summary, reference)
     ess = min(s["ess_bulk"] for s in summary.values())
     row.update(
@@ -219,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--thin", type=int, default=SETTINGS["thin"], help="kept draws' stride")
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
     parser.add_argument("--out", type=Path, default=Path("results/posteriordb/run.json"))
+    parser.add_argument("--draws", type=Path, help="a directory to keep each run's draws in")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.posteriors) - set(POSTERIORS))
     if unknown:
@@ -241,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             for kernel in args.kernels.split(","):
                 for seed in (int(s) for s in args.seeds.split(",")):
-                    row = run_one(name, kernel, mode, seed, settings, args.time_limit)
+                    row = run_one(name, kernel, mode, seed, settings, args.time_limit, args.draws)
                     print(_line(row), flush=True)
                     output["rows"].append(row)
                     args.out.write_text(json.dumps(output, indent=1) + "\n")
