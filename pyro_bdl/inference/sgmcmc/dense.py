@@ -272,6 +272,9 @@ class DenseAdaptation(Adaptation):
         }
         #: The largest drift between the halves of the last slow window, in posterior sds.
         self.drift = 0.0
+        #: How many times wider along some direction the last refresh's estimate was than
+        #: the growth cap let the metric become (above 1: the metric was still catching up).
+        self.outgrown = 0.0
         # under the final metric (the end buffer's and the kept draws' steps): the sums
         # of the window's, and of the squared whitened gradients and their number, for
         # gradient_noise
@@ -417,11 +420,25 @@ class DenseAdaptation(Adaptation):
     def warning(self) -> str | None:
         if not self.drift > DRIFT_TOLERANCE:  # (a NaN drift is no finding)
             return None
-        return (
+        drift = (
             f"warm-up had not converged when it fixed the dense mass: the means of the "
             f"halves of its last window differ by {self.drift:.2g} posterior sds "
-            f"(more than {DRIFT_TOLERANCE:g}); run more warmup_steps (the last window "
-            "doubles with them)"
+            f"(more than {DRIFT_TOLERANCE:g})"
+        )
+        if self.outgrown <= 1:
+            return f"{drift}; run more warmup_steps (the last window doubles with them)"
+        # More warm-up barely helps here: a window widens the metric at most MAX_GROWTH
+        # times, and on posteriordb's earn_height (dollars; started at sigma = 1 against
+        # residuals of 2e4) 5,000 warm-up steps left it 1e4 times too narrow, where a
+        # start at the posterior's mean was right after 1,000.
+        return (
+            f"{drift}, and the window's estimate of the posterior's covariance was "
+            f"{self.outgrown:.2g} times wider than the mass may grow in one window (at most "
+            f"{MAX_GROWTH:g}-fold): the chain started where the posterior is far stiffer "
+            "than near its mode, as when the parameters are on the data's scale (1e4 and "
+            "more) and the chain starts near 0 and 1, and more warmup_steps widen the mass "
+            "only slowly; start the chain near the posterior (init_params, e.g. a mode from "
+            "an optimiser or a rough estimate), or rescale the data to about unit scale"
         )
 
     def inverse_mass_matrix_of(self, params: dict[str, torch.Tensor]) -> dict:
@@ -478,7 +495,9 @@ class DenseAdaptation(Adaptation):
         values, vectors = torch.linalg.eigh(inverse_root @ sigma @ inverse_root)
         if not bool(torch.isfinite(values).all()):
             return previous  # keep the metric
-        values = values.clamp(max=MAX_START_GROWTH if self._window == 0 else MAX_GROWTH)
+        cap = MAX_START_GROWTH if self._window == 0 else MAX_GROWTH
+        self.outgrown = float(values.max()) / cap
+        values = values.clamp(max=cap)
         relative = (vectors * values) @ vectors.T
         sigma = root @ relative @ root
         # a square root of N Sigma (the symmetric one: defined whatever rounding does)
@@ -511,7 +530,7 @@ class DenseAdaptation(Adaptation):
         tensors.update({f"dense/fixed/{key}": value for key, value in self._fixed.items()})
         if self.factor is not None:
             tensors["dense/factor"] = self.factor
-        numbers["dense"] = {"drift": self.drift}
+        numbers["dense"] = {"drift": self.drift, "outgrown": self.outgrown}
         return tensors, numbers
 
     def load_state(self, tensors: dict[str, torch.Tensor], numbers: dict) -> None:
@@ -521,6 +540,7 @@ class DenseAdaptation(Adaptation):
         factor = tensors.get("dense/factor")
         self.factor = None if factor is None else factor.to(self._sums["theta"]).clone()
         self.drift = numbers["dense"]["drift"]
+        self.outgrown = numbers["dense"].get("outgrown", 0.0)  # (earlier versions: none)
         for key, value in self._fixed.items():
             saved = tensors.get(f"dense/fixed/{key}")  # (earlier versions: none)
             if saved is not None:

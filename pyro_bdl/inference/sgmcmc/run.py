@@ -190,8 +190,8 @@ def check(kernel) -> None:
     run.checked = True
     name = type(kernel).__name__
     adaptation = run.state.adaptation
-    found = [kernel.equilibrium_warning(), adaptation and adaptation.warning()]
-    message = "; ".join(m for m in found if m)
+    warmup = adaptation and adaptation.warning()
+    message = "; ".join(m for m in (kernel.equilibrium_warning(), warmup) if m)
     if message:
         warnings.warn(f"{name}: {message}", RuntimeWarning, stacklevel=3)
     if kernel.temperature == 0:
@@ -200,12 +200,15 @@ def check(kernel) -> None:
     if converged is not None:
         message, category = converged
         if category is RuntimeWarning:
-            message += f"; {_convergence_advice(kernel)}"
+            message += f"; {_convergence_advice(kernel, warmup)}"
         warnings.warn(f"{name}: {message}", category, stacklevel=3)
 
 
-def _convergence_advice(kernel) -> str:
-    """What to do about draws that have not converged."""
+def _convergence_advice(kernel, warmup: str | None) -> str:
+    """What to do about draws that have not converged, after the warm-up's own warning
+    ``warmup`` (whose cause and remedy come first)."""
+    if warmup:
+        return "warm-up had not converged: see its warning for the cause and what to do"
     noisy = _noise_advice(kernel)
     advice = (
         "keep more draws (num_samples, or a larger thin) and run more warmup_steps, and "
