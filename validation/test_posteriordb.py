@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from validation.posteriordb.control import control_tolerances, load_control, run_nuts
 from validation.posteriordb.extract import load_references
@@ -149,3 +150,27 @@ def test_default_kernel(name, kernel, mode, report):
         warnings=len(row["warnings"]),
     )
     assert row["verdict"] in ("right", "warned", "error"), row
+
+
+@pytest.mark.parametrize("kernel", ["SGLD", "SGHMC", "SGNHT"])
+def test_earn_height_warns_with_a_remedy_that_works(kernel, report):
+    """earn_height (earnings in dollars, wide priors) is warned with the defaults: its chain
+    starts near 0 and 1, where the posterior is 1e9 times stiffer than near its mode, and
+    the metric cannot widen fast enough. The warning's remedy, a start near the posterior
+    (round numbers 0.1 - 0.4 reference sds off), makes the run right."""
+    name = "earnings-earn_height"
+    default = run_one(name, kernel, "full", settings=QUICK)
+    assert default["verdict"] == "warned", default
+    assert any("init_params" in w for w in default["warnings"]), default["warnings"]
+    start = {"beta": torch.tensor([-60000.0, 1200.0]), "sigma": torch.tensor(19000.0)}
+    remedied = run_one(name, kernel, "full", settings=QUICK, options={"init_params": start})
+    report(
+        "posteriordb_remedies",
+        posterior=name,
+        kernel=kernel,
+        default=default["verdict"],
+        remedied=remedied["verdict"],
+        worst_mean=remedied.get("worst_mean", math.nan),
+        sd_ratio=remedied.get("sd_ratio"),
+    )
+    assert remedied["verdict"] == "right", remedied

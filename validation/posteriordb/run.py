@@ -104,6 +104,7 @@ def run_one(
     settings: dict | None = None,
     time_limit: float = float("inf"),
     draws: Path | None = None,
+    options: dict | None = None,
 ) -> dict:
     """One run of ``kernel`` with its defaults on posterior ``name``, judged.
 
@@ -111,6 +112,8 @@ def run_one(
     :param draws: a directory to write the kept draws to, one safetensors file a run
         (``<posterior>-<kernel>-<mode>-<seed>.safetensors``, Stan's parameter names), to
         judge them again without running them.
+    :param dict options: more arguments of the kernel (``init_params``, ...), to try a
+        warning's remedy; none for the table.
     :return: the row: verdict, agreement, ESS per 1,000 gradient evaluations, cost,
         warnings.
     """
@@ -132,7 +135,7 @@ def run_one(
     else:
         raise ValueError(f"mode must be 'full' or 'minibatch', got {mode!r}")
     counted = _Counted(model)
-    sampler = getattr(pyro_bdl.inference, kernel)(counted, thin=settings["thin"])
+    sampler = getattr(pyro_bdl.inference, kernel)(counted, thin=settings["thin"], **(options or {}))
     row = {"posterior": name, "kernel": kernel, "mode": mode, "seed": seed, **settings}
     if mode == "minibatch":
         row["batch_size"] = BATCH_SIZE
