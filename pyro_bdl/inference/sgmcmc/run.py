@@ -25,6 +25,7 @@ from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
 from pyro_bdl.inference.sgmcmc.convergence import FunctionSpaceMonitor, convergence_warning
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise
+from pyro_bdl.inference.sgmcmc.equilibrium import excursion_warning
 from pyro_bdl.inference.sgmcmc.kept import KeptDraws
 from pyro_bdl.inference.sgmcmc.recovery import Recovery, Sentinel
 from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
@@ -191,7 +192,12 @@ def check(kernel) -> None:
     name = type(kernel).__name__
     adaptation = run.state.adaptation
     warmup = adaptation and adaptation.warning()
-    message = "; ".join(m for m in (kernel.equilibrium_warning(), warmup) if m)
+    found = (
+        kernel.equilibrium_warning(),
+        excursion_warning(run.kept.stats, kernel.temperature),
+        warmup,
+    )
+    message = "; ".join(m for m in found if m)
     if message:
         warnings.warn(f"{name}: {message}", RuntimeWarning, stacklevel=3)
     if kernel.temperature == 0:
