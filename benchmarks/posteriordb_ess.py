@@ -3,8 +3,8 @@
 On the posteriordb ports with N >= 1,000 data points (``validation/posteriordb``), side by
 side in one run on one thread: Pyro's NUTS with the control's settings (dense mass, JIT,
 300 warm-up + 600 draws, :func:`validation.posteriordb.control.run_nuts`) and ``SGLD(model)``,
-``SGHMC(model)``, ``SGNHT(model)`` with the runner's settings (500 warm-up + 1,000 draws,
-:func:`validation.posteriordb.run.run_one`), full batch and minibatch B = 100. A run's
+``SGHMC(model)``, ``SGNHT(model)`` with the runner's settings (1,000 warm-up + 1,000 draws
+thinned 10, :func:`validation.posteriordb.run.run_one`), full batch and minibatch B = 100. A run's
 figure is its smallest bulk ESS over the parameters divided by its whole CPU time (set-up,
 warm-up and draws); a run that is not *right* against posteriordb's reference is shown with
 its verdict, since effective samples of the wrong distribution are worth nothing.

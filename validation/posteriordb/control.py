@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     references = load_references()["posteriors"]
     for name in args.posteriors:
-        result = run_nuts(name)
+        # a stored entry's own settings (a longer warm-up, another seed) are kept
+        stored = results.get(name, {})
+        result = run_nuts(name, {key: stored[key] for key in SETTINGS if key in stored})
         reference = references[name]["reference"]
         tolerances = control_tolerances(result["summary"], reference)
         agree = agreement(result["summary"], reference, *tolerances)

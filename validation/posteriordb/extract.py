@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import subprocess
@@ -26,7 +27,7 @@ import numpy as np
 from validation.posteriordb.posteriors import DATA, POSTERIORS
 from validation.posteriordb.summary import summarise
 
-__all__ = ["REFERENCES", "extract", "load_references"]
+__all__ = ["REFERENCES", "extract", "load_references", "reference_draws"]
 
 #: The reference summaries and the posteriordb commit they come from.
 REFERENCES = Path(__file__).resolve().parent / "references.json"
@@ -46,10 +47,7 @@ def extract(git_dir: str | Path, names: list[str]) -> dict:
     :return: what was written to ``references.json``.
     """
 
-    def show(path: str) -> bytes:
-        command = ["git", "--git-dir", str(git_dir), "show", f"HEAD:{_ROOT}/{path}"]
-        return subprocess.run(command, check=True, capture_output=True).stdout
-
+    show = functools.partial(_show, git_dir)
     commit = subprocess.run(
         ["git", "--git-dir", str(git_dir), "rev-parse", "HEAD"],
         check=True,
@@ -65,9 +63,8 @@ def extract(git_dir: str | Path, names: list[str]) -> dict:
             raise ValueError(f"{name}: posteriordb's data set is {data_name!r}")
         data = _unzipped(show(f"data/data/{data_name}.json.zip"))
         (DATA / f"{data_name}.json").write_text(json.dumps(data, separators=(",", ":")))
-        chains = _unzipped(show(f"reference_posteriors/draws/draws/{name}.json.zip"))
         info = json.loads(show(f"reference_posteriors/draws/info/{name}.info.json"))
-        draws = {key: np.array([chain[key] for chain in chains]) for key in chains[0]}
+        draws = reference_draws(git_dir, name)
         num_chains, num_draws = next(iter(draws.values())).shape
         written[name] = {
             "model_name": posterior["model_name"],
@@ -85,6 +82,18 @@ def extract(git_dir: str | Path, names: list[str]) -> dict:
     }
     REFERENCES.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def reference_draws(git_dir: str | Path, name: str) -> dict[str, np.ndarray]:
+    """posteriordb's reference draws of posterior ``name`` at the ``HEAD`` of ``git_dir``:
+    Stan parameter name -> draws shaped ``(chain, draw)``."""
+    chains = _unzipped(_show(git_dir, f"reference_posteriors/draws/draws/{name}.json.zip"))
+    return {key: np.array([chain[key] for chain in chains]) for key in chains[0]}
+
+
+def _show(git_dir: str | Path, path: str) -> bytes:
+    command = ["git", "--git-dir", str(git_dir), "show", f"HEAD:{_ROOT}/{path}"]
+    return subprocess.run(command, check=True, capture_output=True).stdout
 
 
 def _unzipped(content: bytes):

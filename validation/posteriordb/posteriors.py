@@ -94,21 +94,32 @@ def _regression(
 
     :param float beta: the scale of beta's normal prior: a wide one that replaces Stan's
         flat prior, unless ``flat_beta`` is False (Stan's own prior).
-    :param sigma: a scale (Stan's prior is flat: a wide HalfNormal) or Stan's prior.
+    :param sigma: a scale (Stan's prior is flat: a wide HalfNormal) or a function returning
+        Stan's prior.
     """
     flat_sigma = isinstance(sigma, float)
-    sigma_prior = dist.HalfNormal(sigma) if flat_sigma else sigma
     wide = {"beta": beta} if flat_beta else {}
     if flat_sigma:
         wide["sigma"] = sigma
 
     def make(raw):
+        # The prior is made with the model, in the dtype the caller has chosen by then: one
+        # made at import is float32, and so were sigma's draws in a float64 run.
+        sigma_prior = dist.HalfNormal(sigma) if flat_sigma else sigma()
         model = functools.partial(
             models.linear_regression, beta_scale=beta, sigma_prior=sigma_prior
         )
         return model, design(raw)
 
     return Posterior(name, data_name, make, exchangeable=True, wide_priors=wide)
+
+
+def _half_normal_10() -> dist.Distribution:
+    return dist.HalfNormal(10.0)
+
+
+def _half_cauchy_2_5() -> dist.Distribution:
+    return dist.HalfCauchy(2.5)
 
 
 def _tensors(raw: dict, *names) -> list[torch.Tensor]:
@@ -276,13 +287,13 @@ def _registry() -> dict[str, Posterior]:
             True,
             wide_priors={"sigma": 1e3},
         ),
-        _regression("sblrc-blr", "sblrc", _blr, 10.0, dist.HalfNormal(10.0), flat_beta=False),
-        _regression("sblri-blr", "sblri", _blr, 10.0, dist.HalfNormal(10.0), flat_beta=False),
+        _regression("sblrc-blr", "sblrc", _blr, 10.0, _half_normal_10, flat_beta=False),
+        _regression("sblri-blr", "sblri", _blr, 10.0, _half_normal_10, flat_beta=False),
     ]
     for terms in ("momhs", "momiq", "momhsiq", "interaction"):
         design = functools.partial(_kidiq, terms=terms)
         posteriors.append(
-            _regression(f"kidiq-kidscore_{terms}", "kidiq", design, 1e4, dist.HalfCauchy(2.5))
+            _regression(f"kidiq-kidscore_{terms}", "kidiq", design, 1e4, _half_cauchy_2_5)
         )
     designs = {
         f"interaction_{terms}": functools.partial(_kidiq, terms=terms) for terms in ("c", "c2", "z")

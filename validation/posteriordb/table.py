@@ -1,12 +1,13 @@
 """The docs table from the runner's output: right / warned / wrong per kernel and posterior.
 
-Reads the JSON that :mod:`validation.posteriordb.run` writes and ``control.json`` (NUTS's
-ESS per 1,000 gradient evaluations), and writes a Markdown table between the markers
-``<!-- table:start -->`` and ``<!-- table:end -->`` of the docs page (or prints it).
+Reads the JSON that :mod:`validation.posteriordb.run` writes (several, from a run split
+over processes, are merged) and ``control.json`` (NUTS's ESS per 1,000 gradient
+evaluations), and writes a Markdown table between the markers ``<!-- table:start -->``
+and ``<!-- table:end -->`` of the docs page (or prints it).
 
 Usage::
 
-    python -m validation.posteriordb.table RUN.json [--page docs/posteriordb.md]
+    python -m validation.posteriordb.table RUN.json [RUN.json ...] [--page docs/posteriordb.md]
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from validation.posteriordb.control import load_control
 
-__all__ = ["markdown"]
+__all__ = ["markdown", "merged"]
 
 _START, _END = "<!-- table:start -->", "<!-- table:end -->"
 
@@ -38,7 +39,8 @@ def markdown(output: dict) -> str:
     settings = output["settings"]
     lines = [
         f"Kernels from `{output.get('pyro_bdl')}` at commit `{output.get('commit')}`; "
-        f"warm-up {settings['warmup_steps']}, {settings['num_samples']} kept draws, one "
+        f"warm-up {settings['warmup_steps']}, {settings['num_samples']} kept draws "
+        f"(thin {settings.get('thin', 1)}), one "
         f"chain, seed(s) {sorted({row['seed'] for row in rows})}; minibatch B = "
         f"{settings['batch_size']} where N >= {settings['min_minibatch_n']}. A cell is the "
         "verdict (worst mean error in reference sds, range of sd / reference sd; smallest "
@@ -52,9 +54,33 @@ def markdown(output: dict) -> str:
         nuts_cell = "-" if nuts is None else f"{_ess_per_1k(nuts):.3g}"
         row = [name, mode, *(by_kernel.get(k, "-") for k in kernels), nuts_cell]
         lines.append("| " + " | ".join(row) + " |")
-    counts = Counter(row["verdict"] for row in rows)
-    lines += ["", "Runs: " + ", ".join(f"{v} {counts[v]}" for v in sorted(counts)) + "."]
+    lines += ["", f"Runs: {_counts(rows)}."]
+    for key in ("mode", "kernel"):
+        groups = dict.fromkeys(row[key] for row in rows)
+        lines.append(
+            f"By {key}: "
+            + "; ".join(f"{g} {_counts([r for r in rows if r[key] == g])}" for g in groups)
+            + "."
+        )
     return "\n".join(lines)
+
+
+def _counts(rows: list[dict]) -> str:
+    counts = Counter(row["verdict"] for row in rows)
+    return ", ".join(f"{verdict} {counts[verdict]}" for verdict in sorted(counts))
+
+
+def merged(outputs: list[dict]) -> dict:
+    """One runner output from several (the runner split over processes): their rows in
+    order, refused unless their kernels and settings are the same."""
+    first = outputs[0]
+    for output in outputs[1:]:
+        for key in ("pyro_bdl", "commit", "settings"):
+            if output.get(key) != first.get(key):
+                raise ValueError(
+                    f"the outputs differ in {key}: {first.get(key)} and {output.get(key)}"
+                )
+    return {**first, "rows": [row for output in outputs for row in output["rows"]]}
 
 
 def _ess_per_1k(control: dict) -> float:
@@ -64,10 +90,10 @@ def _ess_per_1k(control: dict) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path, help="the runner's --out file")
+    parser.add_argument("run", type=Path, nargs="+", help="the runner's --out file(s)")
     parser.add_argument("--page", type=Path, help="the docs page to write the table into")
     args = parser.parse_args(argv)
-    table = markdown(json.loads(args.run.read_text()))
+    table = markdown(merged([json.loads(path.read_text()) for path in args.run]))
     if args.page is None:
         print(table)
         return

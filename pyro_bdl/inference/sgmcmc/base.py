@@ -79,13 +79,12 @@ class SGMCMCKernel(Method, WarmupResults, MCMCKernel):
         )
         self.init_params = checked_init_params(init_params)
         if checkpoint is not None:
-            instance("checkpoint", checkpoint, (str, Path), "a directory path (str or Path)")
-        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+            checkpoint = Path(instance("checkpoint", checkpoint, (str, Path), "a directory path"))
+        self.checkpoint = checkpoint
         self.checkpoint_every = integer("checkpoint_every", checkpoint_every, low=1)
         self.keep_draws = instance("keep_draws", keep_draws, bool, "True or False")
-        if probe is not None:
-            instance("probe", probe, tuple, "a tuple of the model's arguments on a batch")
-        self.probe = probe
+        what = "a tuple of the model's arguments"
+        self.probe = None if probe is None else instance("probe", probe, tuple, what)
         self.function_monitor = None  # across a run's chains
         self._given: dict[str, torch.Tensor] | None = None  # initial_params set by Pyro
         self._chain_id: int | None = None  # set by Chains; else the chain MCMC starts

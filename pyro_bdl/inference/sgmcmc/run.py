@@ -25,6 +25,7 @@ from pyro_bdl.inference.minibatch import Minibatches
 from pyro_bdl.inference.sgmcmc.checkpoint import Checkpoint, chain_number
 from pyro_bdl.inference.sgmcmc.convergence import FunctionSpaceMonitor, convergence_warning
 from pyro_bdl.inference.sgmcmc.device import LaggedRead, Noise
+from pyro_bdl.inference.sgmcmc.equilibrium import excursion_warning
 from pyro_bdl.inference.sgmcmc.kept import KeptDraws
 from pyro_bdl.inference.sgmcmc.recovery import Recovery, Sentinel
 from pyro_bdl.inference.sgmcmc.state import ChainState, StepInfo
@@ -190,7 +191,12 @@ def check(kernel) -> None:
     run.checked = True
     name = type(kernel).__name__
     adaptation = run.state.adaptation
-    found = [kernel.equilibrium_warning(), adaptation and adaptation.warning()]
+    warmup = adaptation and adaptation.warning()
+    found = (
+        kernel.equilibrium_warning(),
+        excursion_warning(run.kept.stats, kernel.temperature),
+        warmup,
+    )
     message = "; ".join(m for m in found if m)
     if message:
         warnings.warn(f"{name}: {message}", RuntimeWarning, stacklevel=3)
@@ -200,12 +206,15 @@ def check(kernel) -> None:
     if converged is not None:
         message, category = converged
         if category is RuntimeWarning:
-            message += f"; {_convergence_advice(kernel)}"
+            message += f"; {_convergence_advice(kernel, warmup)}"
         warnings.warn(f"{name}: {message}", category, stacklevel=3)
 
 
-def _convergence_advice(kernel) -> str:
-    """What to do about draws that have not converged."""
+def _convergence_advice(kernel, warmup: str | None) -> str:
+    """What to do about draws that have not converged, after the warm-up's own warning
+    ``warmup`` (whose cause and remedy come first)."""
+    if warmup:
+        return "warm-up had not converged: see its warning for the cause and what to do"
     noisy = _noise_advice(kernel)
     advice = (
         "keep more draws (num_samples, or a larger thin) and run more warmup_steps, and "

@@ -24,6 +24,7 @@ from pyro.infer import MCMC
 
 import pyro_bdl as bdl
 from pyro_bdl.inference import SGHMC, SGNHT
+from pyro_bdl.inference.sgmcmc.equilibrium import excursion_warning
 
 NUM_DATA, NUM_BATCHES = 200, 20
 
@@ -162,3 +163,31 @@ def test_sgnht_refreshes_the_momenta_from_their_stationary_law_after_warmup():
     mcmc.run()
     (kinetic,) = kernel.diagnostics()["sample_stats"]["kinetic_temperature"]
     assert abs(kinetic / temperature - 1) < 4 * (2 / dim) ** 0.5
+
+
+def _gamma_energies(seed, num_draws=1000, dimension=4):
+    # the potential energy of draws from a d-dimensional Gaussian posterior: its minimum
+    # plus a Gamma(d / 2) variable
+    generator = torch.Generator().manual_seed(seed)
+    chi2 = torch.randn(num_draws, dimension, generator=generator, dtype=torch.float64) ** 2
+    return (40.0 + chi2.sum(-1) / 2).tolist()
+
+
+def test_posterior_draws_make_no_excursion():
+    # 50 chains of 1,000 exact draws in 4 and in 100 dimensions: the highest energy of
+    # each is 3 - 7 robust sds above its median, far below the tolerance of 20
+    for dimension in (4, 100):
+        for seed in range(50):
+            stats = {"potential_energy": _gamma_energies(seed, dimension=dimension)}
+            assert excursion_warning(stats, temperature=1.0) is None
+
+
+def test_an_excursion_far_above_the_draws_energies_warns_and_says_where():
+    energies = _gamma_energies(0)
+    # SGHMC's excursion on posteriordb's pharmacokinetic ODE: 5 kept draws, up to 36 nats up
+    energies[818:823] = [72.1, 77.2, 71.2, 68.1, 60.0]
+    message = excursion_warning({"potential_energy": energies}, temperature=1.0)
+    assert message is not None
+    assert message.startswith("4 of the 1000 kept draws (from draw 818)")  # 60 is under 20
+    assert "target_excess" in message
+    assert excursion_warning({"potential_energy": energies}, temperature=0.0) is None
