@@ -130,9 +130,9 @@ the caps let 1,000 warm-up steps widen it at most about 1e17-fold; more warm-up 
 help only slowly (after 5,000 the draws were still drifting, 6 sds off), so the
 warning's remedy is a start near the posterior, which made all three kernels right there
 and on ``mesquite`` (grams), or data on a unit scale (earnings in thousands of dollars:
-right too). On the 126 full-batch runs of the posteriordb table the estimate exceeded
-the cap more than 10-fold only on those two posteriors (55 - 350-fold), and at most
-2-fold elsewhere.
+right too). On the 126 full-batch and 45 minibatch warm-ups of the posteriordb table
+the estimate exceeded the cap more than 10-fold only on those two posteriors (47 - 350
+times), and at most 2 times elsewhere.
 
 **References**
 

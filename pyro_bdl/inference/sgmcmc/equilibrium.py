@@ -13,20 +13,19 @@ draws are likely too narrow (a cold chain) or too wide (a hot one) and what to d
 Every kernel's draws are also checked for an *excursion* (``excursion_warning``): a kept
 draw whose potential energy lies more than ``EXCURSION_TOLERANCE`` (20) robust sds
 (1.4826 times the median absolute deviation) above the median of the draws' potential
-energies. A posterior does not put draws there: on posteriordb's table
-(``docs/posteriordb.md``) the highest draw of each of the 162 runs judged on their saved
-draws with the full-batch potential (all but the pharmacokinetic ODE's and 9 whose draws
-do not map back to the model) was at most 10.8 robust sds above its median (mostly
-4 - 7; regressions whose ``sigma`` gives the potential a long right tail reach 9 - 11).
-SGHMC on the ODE, without any other warning, made one excursion of 50 steps in which
-``K_m`` went from about 1 to 1.8e11 and back, 26 robust sds (36 nats) above the median;
-of the 9 others, run live, SGHMC on the Poisson GP had one draw 31 robust sds (80 nats)
-above it, with 13 parameters, and warns (its summary stayed within the table's
-tolerances). That is a
-divergence in HMC's terms: a step too large for a region the chain entered flung it
-into one the posterior all but excludes. Only the draws' own energies are used, so the
-check is free and holds with minibatches, whose noise widens the spread it is measured
-in (it is then less sensitive, never more).
+energies: a divergence in HMC's terms, a step too large for a region the chain entered
+having flung it into one the posterior all but excludes. A posterior does not put draws
+there: on posteriordb's table (``docs/posteriordb.md``) the highest draw of each of the
+162 runs judged on their saved draws with the full-batch potential (all but the
+pharmacokinetic ODE's and 9 whose draws do not map back to the model) was at most 10.8
+robust sds above its median (mostly 4 - 7; regressions whose ``sigma`` gives the
+potential a long right tail reach 9 - 11). SGHMC on the ODE, without any other warning,
+made one excursion of 50 steps in which ``K_m`` went from about 1 to 1.8e11 and back, 26
+robust sds (36 nats) above the median; of the 9 others, run live, SGHMC on the Poisson
+GP had one draw 31 robust sds (80 nats) above it, with 13 parameters, and warns (its
+summary stayed within the table's tolerances). Only the draws' own energies are used, so
+the check is free and holds with minibatches, whose noise widens the spread it is
+measured in (it is then less sensitive, never more).
 """
 
 from __future__ import annotations
