@@ -27,7 +27,7 @@ import numpy as np
 from validation.posteriordb.posteriors import DATA, POSTERIORS
 from validation.posteriordb.summary import summarise
 
-__all__ = ["REFERENCES", "extract", "load_references", "reference_draws"]
+__all__ = ["REFERENCES", "extract", "head_commit", "load_references", "reference_draws"]
 
 #: The reference summaries and the posteriordb commit they come from.
 REFERENCES = Path(__file__).resolve().parent / "references.json"
@@ -48,12 +48,7 @@ def extract(git_dir: str | Path, names: list[str]) -> dict:
     """
 
     show = functools.partial(_show, git_dir)
-    commit = subprocess.run(
-        ["git", "--git-dir", str(git_dir), "rev-parse", "HEAD"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    commit = head_commit(git_dir)
     DATA.mkdir(exist_ok=True)
     written = {}
     for name in names:
@@ -82,6 +77,12 @@ def extract(git_dir: str | Path, names: list[str]) -> dict:
     }
     REFERENCES.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def head_commit(git_dir: str | Path) -> str:
+    """The commit at the ``HEAD`` of the posteriordb git directory ``git_dir``."""
+    command = ["git", "--git-dir", str(git_dir), "rev-parse", "HEAD"]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def reference_draws(git_dir: str | Path, name: str) -> dict[str, np.ndarray]:

@@ -25,24 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from validation.posteriordb.extract import reference_draws
+from validation.posteriordb.extract import head_commit, reference_draws
 from validation.posteriordb.posteriors import POSTERIORS
 from validation.posteriordb.summary import SD_TOLERANCE, agreement
 
-__all__ = ["PERFECT", "judge_reference", "load_perfect"]
+__all__ = ["PERFECT", "judge_reference"]
 
 #: The stored rates (``python -m validation.posteriordb.perfect``'s default output).
 PERFECT = Path(__file__).resolve().parent / "perfect.json"
-
-
-def load_perfect() -> dict:
-    """``perfect.json``, or an empty record when it has not been made."""
-    return json.loads(PERFECT.read_text()) if PERFECT.exists() else {"rates": {}}
 
 
 def judge_reference(
@@ -87,14 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=PERFECT)
     args = parser.parse_args(argv)
-    commit = subprocess.run(
-        ["git", "--git-dir", args.git_dir, "rev-parse", "HEAD"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
     output = {
-        "posteriordb_commit": commit,
+        "posteriordb_commit": head_commit(args.git_dir),
         "num_draws": args.draws,
         "repeats": args.repeats,
         "seed": args.seed,
