@@ -31,7 +31,13 @@ Hessian-vector products, each the difference of two gradients *on the same batch
 inverse mass is :math:`(N / \lambda) I`, under which that direction has curvature one and
 the step size ``2 * target_excess`` is stable. A ``step_size`` given is for the unit mass,
 as Pyro's is for its first (identity) mass: adaptation starts from the step that moves
-the same under the first metric.
+the same under the first metric. Why isotropic, when the start's Hessian is measured
+anyway: a metric from the whole Hessian there, or from its diagonal, gives each
+direction its own width at the start, which made posteriordb's mesquite (weights in
+grams) right, but the start is no guide to where the chain goes next: with the whole
+Hessian arma11's chains diverged at step 4, with its diagonal hmm_drive_0's diverged
+in warm-up, both right under the isotropic metric (``docs/posteriordb.md`` lists what
+was tried).
 
 **The dynamics of the start buffer.** Every method takes Langevin dynamics' step there
 (SGLD's, :mod:`~pyro_bdl.inference.sgmcmc.langevin`, with its own step-size statistic);
