@@ -486,7 +486,11 @@ class _Runner:
         probs = self.predict(model, {name: value[0] for name, value in samples.items()})
         # One chain: split R-hat of the test reviews' class probabilities compares its halves.
         fs = function_space(probs.double()[None])
-        return {**summarize(probs.mean(0), self.data.test_labels), "function_rhat": fs.max_rhat}
+        return {
+            **summarize(probs.mean(0), self.data.test_labels),
+            "function_rhat": fs.max_rhat,
+            "function_rhat_independent": fs.independent_max_rhat,
+        }
 
     def parallel_chains(self, temperature: float) -> dict:
         """The pool of parallel chains at one temperature: each chain's test probabilities."""
@@ -539,7 +543,7 @@ def _summary(rows: Sequence[dict]) -> list[dict]:
     summary = []
     for (method, temperature), group in groups.items():
         entry = {"method": method, "temperature": temperature, "seeds": len(group)}
-        for metric in (*_METRICS, "train_accuracy", "train_nll", "function_rhat"):
+        for metric in (*_METRICS, "train_accuracy", "train_nll", *_RHAT_ROWS):
             if metric in group[0]:
                 entry[metric] = mean_sd([row[metric] for row in group])
         if "vi_scale" in group[0]:
@@ -547,6 +551,14 @@ def _summary(rows: Sequence[dict]) -> list[dict]:
             entry["vi_initial_scale"] = group[0]["vi_scale"]["initial"]
         summary.append(entry)
     return summary
+
+
+#: The function-space rows: the serial chain's R-hat, and independent draws' (the label of
+#: each row, from the method's).
+_RHAT_ROWS = {
+    "function_rhat": "{method}",
+    "function_rhat_independent": "independent draws",
+}
 
 
 def _tables(summary: Sequence[dict]) -> str:
@@ -563,14 +575,19 @@ def _tables(summary: Sequence[dict]) -> str:
         text.append(f"Test {metric} (mean ± sd over seeds)\n\n{table}")
     rhats = [entry for entry in summary if "function_rhat" in entry]
     if rhats:
-        row = {"method": rhats[0]["method"]}
-        row.update({f"T={e['temperature']}": e["function_rhat"] for e in rhats})
+        rows = []
+        for key, label in _RHAT_ROWS.items():
+            row = {"method": label.format(method=rhats[0]["method"])}
+            row.update({f"T={e['temperature']}": e[key] for e in rhats if key in e})
+            rows.append(row)
         text.append(
             "Function-space split R-hat of the serial SGHMC chain: the largest over the test "
             "reviews' class probabilities, the chain's two halves compared (Izmailov et al. "
             "2021; pyro_bdl.diagnostics.function_space); nan where the chain keeps fewer "
-            "than 4 draws. Parallel chains keep one draw each, for which "
-            "R-hat is not defined\n\n" + markdown_table([row], columns)
+            "than 4 draws. Beside it, the largest that independent draws as many reach "
+            "over as many reviews (pyro_bdl.diagnostics.independent_max_rhat): a function "
+            "R-hat at or below it is no evidence against convergence. Parallel chains keep "
+            "one draw each, for which R-hat is not defined\n\n" + markdown_table(rows, columns)
         )
     scales = [entry for entry in summary if "vi_scale" in entry]
     if scales:

@@ -155,13 +155,16 @@ def _run(experiment: Experiment) -> dict:
     results = _summaries(cells)
     table = markdown_table(
         [{"method": method, **row} for method, row in results["table"].items()],
-        ["method", "AUROC TU", "AUROC EU", "SST-2 accuracy", "SST-2 NLL", "function R-hat"],
+        ["method", "AUROC TU", "AUROC EU", "SST-2 accuracy", "SST-2 NLL", *_RHAT_COLUMNS],
     )
     table += (
         "\n\nfunction R-hat: the largest split R-hat of the SST-2 test sentences' class "
         "probabilities over the serial chain's draws (its two halves compared; Izmailov et "
-        "al. 2021, pyro_bdl.diagnostics.function_space), nan with fewer than 4 draws; the "
-        "other methods keep one draw per chain or none, for which R-hat is not defined"
+        "al. 2021, pyro_bdl.diagnostics.function_space), nan with fewer than 4 draws; "
+        "independent: the largest that independent draws as many reach over as many "
+        "sentences (pyro_bdl.diagnostics.independent_max_rhat), a function R-hat at or "
+        "below which is no evidence against convergence; the other methods keep one draw "
+        "per chain or none, for which R-hat is not defined"
     )
     (experiment.out / "ood.md").write_text(table + "\n")
     _histograms(cells, experiment)
@@ -215,7 +218,9 @@ def _score(method, task, sentences, seed, settings, experiment) -> dict:
     probs, labels = predict(draws, task.test_loader())
     result["sst2"] = evaluate(probs, labels)
     if method == "SGHMC-serial":  # one chain of draws: its halves' function-space R-hat
-        result["function_rhat"] = function_space(probs.double()[None]).max_rhat
+        fs = function_space(probs.double()[None])
+        result["function_rhat"] = fs.max_rhat
+        result["function_rhat_independent"] = fs.independent_max_rhat
     for name, records in sentences.items():
         probs, _ = predict(draws, task.eval_loader(records))
         split = uncertainty_decomposition(probs.double())
@@ -347,13 +352,23 @@ def _summaries(cells: dict) -> dict:
             ),
             "SST-2 accuracy": mean_sd([r["sst2"]["accuracy"] for r in values]),
             "SST-2 NLL": mean_sd([r["sst2"]["nll"] for r in values]),
-            "function R-hat": (
-                mean_sd([seeds[s]["function_rhat"] for s in seeds])
-                if all("function_rhat" in cell for cell in seeds.values())
-                else "-"
-            ),
+            **{
+                column: (
+                    mean_sd([seeds[s][key] for s in seeds])
+                    if all(key in cell for cell in seeds.values())
+                    else "-"
+                )
+                for column, key in _RHAT_COLUMNS.items()
+            },
         }
     return {"table": table, "per_seed": per_seed}
+
+
+#: The function-space columns of the table: the serial chain's and independent draws'.
+_RHAT_COLUMNS = {
+    "function R-hat": "function_rhat",
+    "independent": "function_rhat_independent",
+}
 
 
 def _histograms(cells: dict, experiment: Experiment) -> None:

@@ -61,6 +61,7 @@ __all__ = [
     "ess_bulk",
     "ess_tail",
     "function_space",
+    "independent_max_rhat",
     "network_outputs",
     "rhat",
     "summary",
@@ -724,6 +725,18 @@ class FunctionSpace(NamedTuple):
     ess_bulk: np.ndarray
     agreement: float
     total_variation: float
+    #: The largest split R-hat over as many outputs that independent draws of the same
+    #: number of chains and draws reach (``independent_max_rhat``); ``nan`` if not computed.
+    independent_max_rhat: float = math.nan
+
+    @property
+    def judgeable(self) -> bool:
+        """Whether :attr:`max_rhat` can tell a chain that has not converged from independent
+        draws: the largest split R-hat over the outputs of independent draws of the same
+        shape is at most ``FUNCTION_MAX_RHAT``. With few draws it is not: over 1,500 outputs
+        one chain of 10 independent draws has split R-hat 2.15 somewhere, the largest value
+        10 draws can give (some output's halves are ranked apart by chance)."""
+        return not self.independent_max_rhat > FUNCTION_MAX_RHAT
 
     @property
     def max_rhat(self) -> float:
@@ -793,7 +806,43 @@ def function_space(outputs: np.ndarray | torch.Tensor, *, probabilities: bool = 
     agree = tv = np.nan
     if probabilities and draws.shape[0] > 1:
         agree, tv = agreement(draws), total_variation(draws)
-    return FunctionSpace(r_hat, ess, agree, tv)
+    return FunctionSpace(r_hat, ess, agree, tv, independent_max_rhat(draws.shape))
+
+
+#: Simulations of :func:`independent_max_rhat`.
+_INDEPENDENT_REPEATS = 3
+
+
+def independent_max_rhat(shape: tuple[int, ...], repeats: int = _INDEPENDENT_REPEATS) -> float:
+    """The largest split R-hat over the outputs of independent draws shaped ``shape``
+    (``(chain, draw, *outputs)``): the largest of ``repeats`` seeded simulations of standard
+    normal draws (``nan`` with fewer than 4 draws per chain).
+
+    R-hat of one output is a statistic with a spread; the largest over many outputs is
+    above 1 even for a sampler that has converged, the more so the fewer the draws and the
+    more the outputs (a multiple comparison). Outputs of a network are correlated, so
+    independent ones give the largest such value: a ``max_rhat`` below it is no evidence
+    against convergence.
+
+    Example::
+
+        independent_max_rhat((1, 10, 1500))   # 2.15: 10 draws cannot judge 1,500 outputs
+
+    :param tuple shape: ``(chain, draw, *outputs)``.
+    :param int repeats: simulations, seeded.
+    :rtype: float
+    """
+    num_chains, num_draws, *outputs = shape
+    if num_draws < _MIN_DRAWS:
+        return math.nan
+    generator = np.random.default_rng(0)
+    size = (num_chains, num_draws, math.prod(outputs))
+    largest = 1.0
+    for _ in range(repeats):
+        draws = generator.standard_normal(size)
+        (r_hat,) = _diagnose(draws, ("rhat",), chunk_size=DEFAULT_CHUNK_SIZE, num_threads=1)
+        largest = max(largest, float(np.nanmax(r_hat)))
+    return largest
 
 
 def agreement(probs: np.ndarray | torch.Tensor) -> float:

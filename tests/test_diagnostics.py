@@ -358,3 +358,19 @@ def test_function_space_of_too_few_draws_is_nan_not_converged():
     with pytest.warns(UserWarning, match="need at least 4 draws"):
         fs = diagnostics.function_space(probs)
     assert np.isnan(fs.max_rhat) and np.isnan(fs.min_ess) and not fs.converged()
+
+
+def test_function_rhat_of_few_draws_over_many_outputs_is_what_chance_gives():
+    # One chain of 10 independent draws of 1,500 outputs: some output's two halves are
+    # told apart by chance, so the largest split R-hat is the ceiling of 10 draws (the
+    # same with four times the outputs), above 2: the value the cold-posterior
+    # experiment's serial chain reported at every temperature.
+    ceiling = diagnostics.independent_max_rhat((1, 10, 6000))
+    assert ceiling > 2 and diagnostics.independent_max_rhat((1, 10, 1500)) == ceiling
+    iid = np.random.default_rng(1).uniform(size=(1, 10, 750, 2))
+    fs = diagnostics.function_space(iid, probabilities=False)
+    assert fs.max_rhat == pytest.approx(ceiling) and not fs.judgeable
+    # 4 chains of 100 draws over 16 outputs: chance stays far below the 1.1 that judges
+    outputs = np.random.default_rng(2).uniform(size=(4, 100, 8, 2))
+    fs = diagnostics.function_space(outputs, probabilities=False)
+    assert fs.independent_max_rhat < 1.05 and fs.judgeable

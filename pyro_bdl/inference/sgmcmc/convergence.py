@@ -322,8 +322,14 @@ def _network_warning(
         )
     if not converged:
         found = []
-        if fs.max_rhat > FUNCTION_MAX_RHAT:
+        if fs.max_rhat > FUNCTION_MAX_RHAT and fs.judgeable:
             found.append(f"split R-hat up to {fs.max_rhat:.3g} (above {FUNCTION_MAX_RHAT})")
+        elif fs.max_rhat > FUNCTION_MAX_RHAT:  # as high as chance makes it: no finding
+            found.append(
+                f"split R-hat up to {fs.max_rhat:.3g}, which independent draws as many also "
+                f"reach over as many outputs ({fs.independent_max_rhat:.3g}: too few draws "
+                "for R-hat to judge)"
+            )
         if fs.min_ess < MIN_ESS:
             found.append(f"bulk ESS down to {fs.min_ess:.3g} (below {MIN_ESS})")
         in_weights = (

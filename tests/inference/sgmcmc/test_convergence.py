@@ -98,3 +98,13 @@ def test_a_model_that_is_not_a_network_keeps_the_weight_space_warning():
     kernel = SGHMC(model, step_size=1e-2, num_data=5, **FIXED)
     kernel.setup(0, torch.zeros(5))
     assert kernel.function_monitor is None
+
+
+def test_a_function_rhat_that_chance_explains_is_not_reported_as_a_finding():
+    # One chain of 6 independent draws: over the 16 outputs, independent draws of this shape
+    # reach a split R-hat far above 1.1, so the warning says the draws are too few for
+    # R-hat to judge instead of calling its value a sign of non-convergence.
+    [(message, category)] = _warnings_over_chains([MODE], num_draws=6)
+    # (draws_near is seeded: this chain's R-hat is 2.02, independent draws' 2.19)
+    assert category is RuntimeWarning and "bulk ESS down to" in message
+    assert "(2.19: too few draws for R-hat to judge)" in message
