@@ -322,14 +322,17 @@ def _network_warning(
         )
     if not converged:
         found = []
-        if fs.max_rhat > FUNCTION_MAX_RHAT and fs.judgeable:
-            found.append(f"split R-hat up to {fs.max_rhat:.3g} (above {FUNCTION_MAX_RHAT})")
-        elif fs.max_rhat > FUNCTION_MAX_RHAT:  # as high as chance makes it: no finding
+        chance = fs.independent_max_rhat
+        if fs.max_rhat > FUNCTION_MAX_RHAT and fs.max_rhat <= chance:  # no finding
             found.append(
                 f"split R-hat up to {fs.max_rhat:.3g}, which independent draws as many also "
-                f"reach over as many outputs ({fs.independent_max_rhat:.3g}: too few draws "
-                "for R-hat to judge)"
+                f"reach over as many outputs ({chance:.3g}: too few draws for R-hat to judge)"
             )
+        elif fs.max_rhat > FUNCTION_MAX_RHAT:
+            above = f"above {FUNCTION_MAX_RHAT}"
+            if not fs.judgeable:
+                above += f" and the {chance:.3g} that independent draws as many reach"
+            found.append(f"split R-hat up to {fs.max_rhat:.3g} ({above})")
         if fs.min_ess < MIN_ESS:
             found.append(f"bulk ESS down to {fs.min_ess:.3g} (below {MIN_ESS})")
         in_weights = (
