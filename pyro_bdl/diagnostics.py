@@ -719,15 +719,16 @@ class FunctionSpace(NamedTuple):
         that are not class probabilities.
     :ivar float total_variation: mean total-variation distance between the chains'
         predictive distributions (:func:`total_variation`); likewise.
+    :ivar float independent_max_rhat: the largest split R-hat that independent draws of
+        the same number of chains and draws reach over as many outputs
+        (:func:`independent_max_rhat`); ``nan`` with fewer than 4 draws per chain.
     """
 
     rhat: np.ndarray
     ess_bulk: np.ndarray
     agreement: float
     total_variation: float
-    #: The largest split R-hat over as many outputs that independent draws of the same
-    #: number of chains and draws reach (``independent_max_rhat``); ``nan`` if not computed.
-    independent_max_rhat: float = math.nan
+    independent_max_rhat: float
 
     @property
     def judgeable(self) -> bool:
