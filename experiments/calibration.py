@@ -86,6 +86,7 @@ from pathlib import Path
 import pyro
 import torch
 
+from experiments.causal_lm import CausalNetwork, CausalTask
 from experiments.lora_finetune import (
     LEARNING_RATE,
     LINKS,
@@ -123,7 +124,7 @@ __all__ = ["run", "FULL", "PAPER", "QUICK", "METHODS"]
 
 #: The :class:`~experiments.runner.Experiment` options this experiment takes
 #: beyond the common ones.
-OPTIONS = ("epochs",)
+OPTIONS = ("epochs", "model")
 
 METHODS = (
     "MLE",
@@ -172,6 +173,20 @@ QUICK = {
         "winogrande_s", 8, 40, max_length=32, batch_size=8, epochs=2, validation_size=8
     ),
 }
+#: The causal LM's run (``--model smollm2``, on a CPU): the two tasks SmolLM2 learns with
+#: LoRA on its last :data:`CAUSAL_TOP_LAYERS` layers (``docs/experiments.md``, section 6),
+#: batch 8, two epochs, the learning rate 1e-3 that the learnability probes chose on
+#: validation sentences (the recipe's schedule: warm-up, then linear decay).
+CAUSAL = {
+    "sst2": TaskSpec("sst2", 512, 256, 64, batch_size=8, steps=128, validation_size=128, lr=1e-3),
+    "imdb": TaskSpec("imdb", 256, 256, 128, batch_size=8, steps=64, validation_size=128, lr=1e-3),
+}
+#: The causal LM's CI run (the numbers mean nothing).
+CAUSAL_QUICK = {
+    "sst2": TaskSpec("sst2", 8, 8, 32, batch_size=4, steps=2, validation_size=8, lr=1e-3),
+}
+#: The decoder layers whose queries and values LoRA adapts (the last ones), full and quick.
+CAUSAL_TOP_LAYERS = {"full": 16, "quick": 1}
 #: Method settings; ``QUICK_METHOD`` overrides some for the CI run.
 METHOD = {
     "ensemble_members": 3,
@@ -217,7 +232,11 @@ def run(experiment: Experiment) -> dict:
 
 def _run(experiment: Experiment) -> dict:
     """Run the grid of datasets x methods x seeds; write the results, tables and figures."""
-    specs = QUICK if experiment.quick else PAPER if experiment.on_gpu else FULL
+    causal = experiment.model is not None
+    if causal:
+        specs = CAUSAL_QUICK if experiment.quick else CAUSAL
+    else:
+        specs = QUICK if experiment.quick else PAPER if experiment.on_gpu else FULL
     if experiment.epochs is not None:
         specs = {
             name: dataclasses.replace(spec, epochs=experiment.epochs, steps=None)
@@ -226,10 +245,25 @@ def _run(experiment: Experiment) -> dict:
     settings = {**METHOD, **(QUICK_METHOD if experiment.quick else {})}
     datasets = experiment.selected("datasets", specs)
     methods = experiment.selected("methods", METHODS)
-    tokenizer = minilm_tokenizer()
-    tasks = {name: Task(specs[name], experiment.data_dir, tokenizer) for name in datasets}
+    if causal:
+        top_layers = CAUSAL_TOP_LAYERS["quick" if experiment.quick else "full"]
+        tasks = {
+            name: CausalTask(specs[name], experiment.data_dir, experiment.model, top_layers)
+            for name in datasets
+        }
+        network, model = (
+            CausalNetwork,
+            (
+                f"{Path(experiment.model).name} + LoRA on q/v of the last {top_layers} layers, "
+                "answer tokens' next-token logits"
+            ),
+        )
+    else:
+        tokenizer = minilm_tokenizer()
+        tasks = {name: Task(specs[name], experiment.data_dir, tokenizer) for name in datasets}
+        network, model = Network, "all-MiniLM-L6-v2 + LoRA on query/value, new head"
     experiment.settings = {
-        "model": "all-MiniLM-L6-v2 + LoRA on query/value, new head",
+        "model": model,
         "lora": LORA,
         "prior_scale": PRIOR_SCALE,
         "recipe": _recipe_text(),
@@ -240,14 +274,17 @@ def _run(experiment: Experiment) -> dict:
     }
     cells: dict[str, dict[str, dict[int, dict]]] = {}
     extras: dict[str, dict[str, dict[int, dict]]] = {}
-    # another training length is another fine-tune: its own checkpoints and cells
+    # another training length or model is another fine-tune: its own checkpoints and cells
     length = () if experiment.epochs is None else (f"epochs={experiment.epochs}",)
+    if causal:
+        length += (f"model={Path(experiment.model).name}",)
     for dataset, task in tasks.items():
         fits = _Fits(
             experiment.out / "checkpoints" / "__".join((dataset, *length)),
             task,
             settings,
             experiment.device,
+            network,
         )
         for seed in experiment.seeds:
             for method in methods:
@@ -285,15 +322,23 @@ def _recipe_text() -> str:
 class _Fits:
     """The fine-tunes of one task that several methods share, cached on disk."""
 
-    def __init__(self, directory: Path, task: Task, settings: dict, device: torch.device):
+    def __init__(
+        self,
+        directory: Path,
+        task: Task,
+        settings: dict,
+        device: torch.device,
+        network: type[Network] = Network,
+    ):
         self.directory = directory
         self.task = task
         self.settings = settings
         self.device = device
+        self.network_type = network
 
     def network(self, seed: int) -> Network:
         pyro.clear_param_store()
-        return Network(self.task, seed, self.device)
+        return self.network_type(self.task, seed, self.device)
 
     def map(self, seed: int) -> dict[str, torch.Tensor]:
         return checkpoint(
@@ -377,6 +422,8 @@ def _la(fits: _Fits, seed: int) -> dict:
 
 def _llla(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
+    if not network.has_head:
+        return {"rows": {}, "skipped": "no new head: a causal LM's classes are its answer tokens"}
     theta = fits.map(seed)
     model = network.last_layer_model()
     head = {site: theta[site] for site in model.net.random_sites}
@@ -398,8 +445,8 @@ def _la_torch(fits: _Fits, seed: int) -> dict:
         curvatures = importlib.import_module("laplace.curvature")
     except ImportError:
         return {"rows": {}, "skipped": "laplace-torch is not installed"}
-    if fits.task.multiple_choice:
-        return {"rows": {}, "skipped": "laplace-torch runs on the classification tasks"}
+    if fits.task.multiple_choice or isinstance(fits.task, CausalTask):
+        return {"rows": {}, "skipped": "laplace-torch runs on the encoder's classification tasks"}
     network = fits.network(seed)
     with network.net.fixed(fits.map(seed)):
         module = copy.deepcopy(network.module)
