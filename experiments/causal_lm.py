@@ -16,6 +16,13 @@ section 6).
 :class:`~experiments.lora_finetune.Task` and :class:`~experiments.lora_finetune.Network`
 of a causal LM: the calibration experiment's methods take either.
 
+A task is scored in one of two ways (:class:`Prompting`): by the **answer tokens**, the
+next-token logits of the labels at the end of the prompt (the papers' letters, or
+`` negative`` / `` positive``), or by the **choice texts**, the log-probability of each
+choice's own text after the question (:class:`~pyro_bdl.models.ChoiceTexts`, cloze
+scoring): ``arc_easy_text`` is ARC-Easy scored so, which SmolLM2-135M answers well
+above chance where it is at chance on the letters.
+
 Example::
 
     task = CausalTask(TaskSpec("imdb", 256, 256, 128, batch_size=8, steps=32,
@@ -27,11 +34,13 @@ Example::
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
+import pyro_bdl as bdl
 from experiments.lora_finetune import (
     EVAL_BATCH_SIZE,
     LORA,
@@ -41,13 +50,22 @@ from experiments.lora_finetune import (
     TaskSpec,
     quiet,
 )
+from pyro_bdl.data import RecordDataset, load
 from pyro_bdl.data.prompts import answer_labels
-from pyro_bdl.data.tokenize import CausalMultipleChoiceCollator, answer_token_ids
-from pyro_bdl.models import lora_model
+from pyro_bdl.data.tokenize import (
+    CausalChoiceTextCollator,
+    CausalMultipleChoiceCollator,
+    answer_token_ids,
+)
+from pyro_bdl.models import BayesianNet, ChoiceTexts, LoRAModel, lora_model
+from pyro_bdl.models.heads import IGNORE_INDEX
+from pyro_bdl.priors import IIDNormal
 
 __all__ = [
+    "Prompting",
     "PROMPTS",
     "LABELS",
+    "causal_lora",
     "FrozenPrefix",
     "CausalTask",
     "CausalNetwork",
@@ -60,18 +78,46 @@ __all__ = [
     "check_cut",
 ]
 
-#: dataset -> (prompt template, or None for the papers' of :mod:`pyro_bdl.data.prompts`;
-#: :func:`pyro_bdl.data.load`'s options). SST-2 and IMDB have no template in the papers:
-#: this one's answer tokens (:data:`LABELS`) are SmolLM2's own top answers after it, zero
-#: shot. BoolQ's passage comes first, so that a long one cut to the prompt length loses its
+
+@dataclass(frozen=True)
+class Prompting:
+    """How a causal LM is asked a task's question, and how its answer is scored.
+
+    :param str dataset: the :func:`pyro_bdl.data.load` name of the records.
+    :param str template: the prompt (None: the papers' of :mod:`pyro_bdl.data.prompts`
+        for the answer tokens; ``"Question: {context}\nAnswer:"`` for the choice texts).
+    :param dict options: :func:`pyro_bdl.data.load`'s options.
+    :param str scoring: ``"answer_tokens"`` (the labels' next-token logits) or
+        ``"choice_text"`` (each choice's log-probability after the prompt).
+    """
+
+    dataset: str
+    template: str | None = None
+    options: dict = field(default_factory=dict)
+    scoring: str = "answer_tokens"
+
+    def collator(self, tokenizer, max_length: int):
+        """The collator of this task's records."""
+        if self.scoring == "choice_text":
+            return CausalChoiceTextCollator(tokenizer, self.dataset, max_length, self.template)
+        return CausalMultipleChoiceCollator(
+            tokenizer, self.dataset, max_length=max_length, template=self.template
+        )
+
+
+_REVIEW = "Review: {text}\nSentiment:"
+#: task -> :class:`Prompting`. SST-2 and IMDB have no template in the papers: this one's
+#: answer tokens (:data:`LABELS`) are SmolLM2's own top answers after it, zero shot.
+#: BoolQ's passage comes first, so that a long one cut to the prompt length loses its
 #: beginning, not the question.
 PROMPTS = {
-    "sst2": ("Review: {text}\nSentiment:", {}),
-    "imdb": ("Review: {text}\nSentiment:", {}),
-    "winogrande_s": (None, {}),
-    "obqa": (None, {}),
-    "arc_easy": (None, {"num_choices": 4}),
-    "boolq": ("{passage}\nQuestion: {question}? Answer True or False.\nAnswer:", {}),
+    "sst2": Prompting("sst2", _REVIEW),
+    "imdb": Prompting("imdb", _REVIEW),
+    "winogrande_s": Prompting("winogrande_s"),
+    "obqa": Prompting("obqa"),
+    "arc_easy": Prompting("arc_easy", options={"num_choices": 4}),
+    "arc_easy_text": Prompting("arc_easy", options={"num_choices": 4}, scoring="choice_text"),
+    "boolq": Prompting("boolq", "{passage}\nQuestion: {question}? Answer True or False.\nAnswer:"),
 }
 #: The answer labels of the tasks that have no letters (the others: ``" A"``, ``" B"``, ...).
 LABELS = {"sst2": [" negative", " positive"], "imdb": [" negative", " positive"]}
@@ -147,31 +193,81 @@ def label_ids(tokenizer, dataset: str, record: dict) -> list[int]:
     return answer_token_ids(tokenizer, labels)
 
 
+def causal_lora(
+    model, prompting: Prompting, tokenizer, label_token_ids=None, **options
+) -> LoRAModel:
+    """:func:`~pyro_bdl.models.lora_model` of a (cut) causal LM for a task: the answer
+    tokens' logits, or the choice texts' log-probabilities
+    (:class:`~pyro_bdl.models.ChoiceTexts`, lifted around the peft model so that one call
+    scores every choice with one draw). ``options`` go to ``lora_model``."""
+    if prompting.scoring == "answer_tokens":
+        return lora_model(
+            model,
+            "multiple_choice",
+            label_token_ids=label_token_ids,
+            tokenizer=tokenizer,
+            **options,
+        )
+    lora = lora_model(model, "causal_lm", tokenizer=tokenizer, **options)
+    prior = options.get("prior") or IIDNormal(options.get("prior_scale", 0.2))
+    net = bdl.lift(ChoiceTexts(lora.peft_model), prior, random="lora_")
+    return LoRAModel(BayesianNet(net), lora.peft_model, tokenizer, "multiple_choice")
+
+
 def hidden_items(prefix: FrozenPrefix, collate, records, batch_size: int) -> list[dict]:
-    """Each record's hidden states at the cut (unpadded, ``"h"``) and its ``"label"``."""
+    """Each record's hidden states at the cut and its ``"label"``: ``"h"`` the prompt's
+    states (unpadded), or for the choice texts a list of each choice's sequence's, with
+    their ``"choice_tokens"``."""
     records = list(records)
     items = []
     for start in range(0, len(records), batch_size):
         batch = collate(records[start : start + batch_size])
-        hidden = prefix.hidden(batch["input_ids"], batch["attention_mask"])
-        for row in range(hidden.shape[0]):
-            keep = batch["attention_mask"][row].bool()
-            items.append({"h": hidden[row, keep].clone(), "label": batch["labels"][row]})
+        mask = batch["attention_mask"]
+        flat = prefix.hidden(
+            batch["input_ids"].reshape(-1, mask.shape[-1]), mask.reshape(-1, mask.shape[-1])
+        )
+        hidden = flat.reshape(*mask.shape, -1)
+        for row in range(mask.shape[0]):
+            keep = mask[row].bool()
+            item = {"label": batch["labels"][row]}
+            if mask.dim() == 2:
+                item["h"] = hidden[row, keep].clone()
+            else:
+                choices = range(mask.shape[1])
+                item["h"] = [hidden[row, c, keep[c]].clone() for c in choices]
+                item["choice_tokens"] = [batch["choice_tokens"][row, c, keep[c]] for c in choices]
+            items.append(item)
     return items
 
 
+def _left_pad(sequences: list[torch.Tensor], fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, L, ...)`` left-padded with ``fill``, and the ``(N, L)`` attention mask."""
+    length = max(len(sequence) for sequence in sequences)
+    first = sequences[0]
+    padded = first.new_full((len(sequences), length, *first.shape[1:]), fill)
+    mask = torch.zeros(len(sequences), length, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        padded[row, length - len(sequence) :] = sequence
+        mask[row, length - len(sequence) :] = 1
+    return padded, mask
+
+
 def collate_hidden(items: list[dict]) -> dict[str, torch.Tensor]:
-    """Left-pad cached hidden states: the batch the cut model takes."""
-    length = max(item["h"].shape[0] for item in items)
-    width = items[0]["h"].shape[1]
-    embeds = torch.zeros(len(items), length, width)
-    mask = torch.zeros(len(items), length, dtype=torch.long)
-    for row, item in enumerate(items):
-        n = item["h"].shape[0]
-        embeds[row, length - n :] = item["h"]
-        mask[row, length - n :] = 1
+    """Left-pad cached hidden states: the batch the cut model takes (``(B, L, H)``
+    ``inputs_embeds``, or ``(B, C, L, H)`` with ``choice_tokens`` for the choice texts)."""
     labels = torch.stack([item["label"] for item in items])
-    return {"inputs_embeds": embeds, "attention_mask": mask, "labels": labels}
+    if "choice_tokens" not in items[0]:
+        embeds, mask = _left_pad([item["h"] for item in items])
+        return {"inputs_embeds": embeds, "attention_mask": mask, "labels": labels}
+    shape = (len(items), len(items[0]["h"]))
+    embeds, mask = _left_pad([h for item in items for h in item["h"]])
+    tokens, _ = _left_pad([t for item in items for t in item["choice_tokens"]], IGNORE_INDEX)
+    return {
+        "inputs_embeds": embeds.reshape(*shape, *embeds.shape[1:]),
+        "attention_mask": mask.reshape(*shape, -1),
+        "choice_tokens": tokens.reshape(*shape, -1),
+        "labels": labels,
+    }
 
 
 def hidden_loader(items: list[dict], batch_size: int, seed: int | None = None) -> DataLoader:
@@ -186,17 +282,16 @@ def hidden_loader(items: list[dict], batch_size: int, seed: int | None = None) -
     )
 
 
-def whole_model_logits(model, collate, records, ids: list[int]) -> torch.Tensor:
-    """Answer-token logits of the whole model (before it is cut), for the cut's check."""
+def whole_model_logits(model, collate, records, ids: list[int] | None = None) -> torch.Tensor:
+    """The classes' logits of the whole model (before it is cut), for the cut's check: the
+    answer tokens' (``ids``) at the prompts' last position, or the choice texts' scores."""
     batch = collate(list(records))
-    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
     with torch.no_grad():
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=position_ids,
-            use_cache=False,
-        ).logits
+        if "choice_tokens" in inputs:
+            return ChoiceTexts(model)(**inputs)
+        position_ids = (inputs["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        logits = model(**inputs, position_ids=position_ids, use_cache=False).logits
     return logits[:, -1, ids]
 
 
@@ -242,11 +337,14 @@ class CausalTask(Task):
                 f"{spec.dataset}: a causal LM's task needs a prompt; choose one of {list(PROMPTS)}"
             )
         self.base, self.top_layers = Path(base), top_layers
+        self.prompting = PROMPTS[spec.dataset]
         super().__init__(spec, data_dir, causal_tokenizer(base))
-        self.label_token_ids = label_ids(self.tokenizer, spec.dataset, self.train[0])
-        self.num_classes = len(self.label_token_ids)
+        self.label_token_ids = None
+        if self.prompting.scoring == "answer_tokens":
+            self.label_token_ids = label_ids(self.tokenizer, self.prompting.dataset, self.train[0])
+            self.num_classes = len(self.label_token_ids)
         model = _causal_lm(base)
-        #: the whole model's answer logits of two training prompts: each network checks its cut
+        #: the whole model's class logits of two training prompts: each network checks its cut
         self.reference = whole_model_logits(
             model, self.collate, [self.train[0], self.train[1]], self.label_token_ids
         )
@@ -260,11 +358,12 @@ class CausalTask(Task):
         """The cached states of the ``"train"``, ``"validation"`` or ``"test"`` subset."""
         return self._items[split]
 
+    def _load(self, split: str, limit: int | None = None) -> RecordDataset:
+        prompting = self.prompting
+        return load(prompting.dataset, self.data_dir, split, limit=limit, **prompting.options)
+
     def _collator(self):
-        template, _ = PROMPTS[self.spec.dataset]
-        return CausalMultipleChoiceCollator(
-            self.tokenizer, self.spec.dataset, max_length=self.spec.max_length, template=template
-        )
+        return self.prompting.collator(self.tokenizer, self.spec.max_length)
 
     def train_loader(self, seed: int) -> DataLoader:
         """Shuffled minibatches of the training prompts' cached states."""
@@ -290,8 +389,9 @@ class CausalNetwork(Network):
     LoRA (rank 8, alpha 16, dropout 0.1) on their queries and values; the random sites
     are the adapters, with the IID prior :math:`\\mathcal{N}(0, 0.2^2)` of every method
     of the table. ``torch.manual_seed(seed)`` fixes the LoRA A initialisation. Its models
-    take the task's batches of cached states; the answer tokens' logits are the classes.
-    Refuses a cut that does not compute the whole model's answer logits.
+    take the task's batches of cached states; the answer tokens' logits, or the choice
+    texts' log-probabilities, are the classes (:func:`causal_lora`). Refuses a cut that
+    does not compute the whole model's.
 
     :param CausalTask task: the task.
     :param int seed: the seed of the initialisation.
@@ -304,16 +404,16 @@ class CausalNetwork(Network):
         base = _causal_lm(task.base)
         FrozenPrefix(base, task.top_layers)
         with quiet():
-            self.lora = lora_model(
+            self.lora = causal_lora(
                 base,
-                "multiple_choice",
-                label_token_ids=task.label_token_ids,
-                tokenizer=task.tokenizer,
+                task.prompting,
+                task.tokenizer,
+                task.label_token_ids,
                 prior_scale=PRIOR_SCALE,
                 **LORA,
             )
         self.lora.peft_model.to(self.device)
-        self.module = self.lora.peft_model
+        self.module = self.lora.net.module  # the peft model, or ChoiceTexts around it
         self.model, self.net = self.lora.model, self.lora.net
         self.likelihood = self.model.head
         check_cut(task.reference, task.items("train"), self.model)

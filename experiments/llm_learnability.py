@@ -73,6 +73,7 @@ import torch
 from experiments.causal_lm import (
     PROMPTS,
     FrozenPrefix,
+    causal_lora,
     causal_tokenizer,
     check_cut,
     hidden_items,
@@ -83,7 +84,6 @@ from experiments.causal_lm import (
 from experiments.runner import Experiment, markdown_table
 from pyro_bdl import metrics
 from pyro_bdl.data import RecordDataset, load
-from pyro_bdl.data.tokenize import CausalMultipleChoiceCollator
 from pyro_bdl.inference import fit_laplace_lora
 from pyro_bdl.inference.baselines import map_estimate, temperature_scaling
 from pyro_bdl.priors import LayerwiseNormal
@@ -152,10 +152,17 @@ def _split(experiment: Experiment, dataset: str, sizes: dict, seed: int):
     records on which :data:`FULL`'s settings were chosen; the test records are a seeded
     draw of ``num_test`` of the others.
     """
-    _, options = PROMPTS[dataset]
+    prompting = PROMPTS[dataset]
 
     def draw(split: str, limit: int | None):
-        return load(dataset, experiment.data_dir, split, limit=limit, seed=seed, **options)
+        return load(
+            prompting.dataset,
+            experiment.data_dir,
+            split,
+            limit=limit,
+            seed=seed,
+            **prompting.options,
+        )
 
     validation = list(draw("test", sizes["num_validation"]))
     others = RecordDataset([record for record in draw("test", None) if record not in validation])
@@ -166,19 +173,18 @@ def _split(experiment: Experiment, dataset: str, sizes: dict, seed: int):
 def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from pyro_bdl.models import lora_model
     from pyro_bdl.models.smollm2 import smollm2_directory
 
-    template, _ = PROMPTS[dataset]
+    prompting = PROMPTS[dataset]
     train, validation, test = _split(experiment, dataset, sizes, seed)
     tokenizer = causal_tokenizer(smollm2_directory())
-    ids = label_ids(tokenizer, dataset, train[0])
+    ids = None
+    if prompting.scoring == "answer_tokens":
+        ids = label_ids(tokenizer, prompting.dataset, train[0])
     torch.manual_seed(seed)
     full = AutoModelForCausalLM.from_pretrained(smollm2_directory())
     full.eval()
-    collate = CausalMultipleChoiceCollator(
-        tokenizer, dataset, max_length=sizes["max_length"], template=template
-    )
+    collate = prompting.collator(tokenizer, sizes["max_length"])
     # Check the cut on the whole model first (a reference before it is cut).
     reference = whole_model_logits(full, collate, train[:2], ids)
     prefix = FrozenPrefix(full, sizes["top_layers"])
@@ -186,10 +192,11 @@ def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
         hidden_items(prefix, collate, records, sizes["batch_size"])
         for records in (train, validation, test)
     )
-    lora = lora_model(full, "multiple_choice", label_token_ids=ids, tokenizer=tokenizer)
+    lora = causal_lora(full, prompting, tokenizer, ids)
     num_data = len(train_items)
     cut_error = check_cut(reference, train_items, lora.model)
-    counts = torch.bincount(torch.stack([i["label"] for i in test_items]), minlength=len(ids))
+    num_classes = reference.shape[-1]
+    counts = torch.bincount(torch.stack([i["label"] for i in test_items]), minlength=num_classes)
     loader = hidden_loader(train_items, sizes["batch_size"], seed)
     scored = (lora, num_data, validation_items, test_items)
     curve = [_point(0, lora.net.init_values(), *scored)]
@@ -225,14 +232,20 @@ def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
             for step, fitted in sorted(checkpoints.items())
         },
         "majority": float(counts.max()) / float(counts.sum()),
-        "chance_nll": math.log(len(ids)),
+        "chance_nll": math.log(num_classes),
         "num_train": num_data,
         "num_validation": len(validation_items),
         "num_test": len(test_items),
-        "mean_prompt_tokens": sum(i["h"].shape[0] for i in train_items) / num_data,
+        # per example: the prompt's tokens, or the sum over its choices' sequences
+        "mean_prompt_tokens": sum(map(_tokens, train_items)) / num_data,
         "cut_error": cut_error,
         "settings": dict(sizes),  # each cell its own: a resumed run may use other sizes
     }
+
+
+def _tokens(item: dict) -> int:
+    states = item["h"]
+    return sum(len(h) for h in states) if isinstance(states, list) else len(states)
 
 
 def _point(step: int, values, lora, num_data: int, validation_items, test_items) -> dict:

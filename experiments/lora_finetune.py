@@ -161,9 +161,9 @@ class Task:
 
     def __init__(self, spec: TaskSpec, data_dir: str | os.PathLike, tokenizer=None):
         self.spec = spec
-        options = {"num_choices": 4} if spec.dataset.startswith("arc") else {}
-        self.train = load(spec.dataset, data_dir, "train", limit=spec.train_size, **options)
-        held_out = load(spec.dataset, data_dir, "test", **options)
+        self.data_dir = data_dir
+        self.train = self._load("train", spec.train_size)
+        held_out = self._load("test")
         order = random.Random(0).sample(range(len(held_out)), len(held_out))
         if spec.validation_split is None:
             cut = spec.validation_size or 0
@@ -175,7 +175,7 @@ class Task:
             validation, order = order[:cut], order[cut:]
             self.validation = RecordDataset([held_out[i] for i in sorted(validation)])
         else:
-            self.validation = load(spec.dataset, data_dir, spec.validation_split, **options)
+            self.validation = self._load(spec.validation_split)
             if spec.validation_size is not None:
                 self.validation = self.validation.subset(spec.validation_size, seed=0)
         chosen = order if spec.test_size is None else order[: spec.test_size]
@@ -184,6 +184,11 @@ class Task:
         self.num_classes = len(self.train[0]["choices"]) if self.multiple_choice else 2
         self.tokenizer = tokenizer if tokenizer is not None else minilm_tokenizer()
         self.collate = self._collator()
+
+    def _load(self, split: str, limit: int | None = None) -> RecordDataset:
+        """A split of the task's records (a seeded subset of ``limit``)."""
+        options = {"num_choices": 4} if self.spec.dataset.startswith("arc") else {}
+        return load(self.spec.dataset, self.data_dir, split, limit=limit, **options)
 
     def _collator(self):
         """What turns records into the network's batches."""

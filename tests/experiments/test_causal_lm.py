@@ -98,3 +98,23 @@ def test_a_causal_network_checks_its_cut_and_fine_tunes_on_the_task(task):
     assert probs.shape == (1, 5, 2) and torch.allclose(probs.sum(-1), torch.ones(1, 5))
     assert labels.tolist() == [record["label"] for record in task.test]
     assert 0 <= evaluate(probs, labels)["accuracy"] <= 1
+
+
+def test_a_task_scored_by_the_choice_texts_caches_every_choice(tiny_base, shared_data):
+    spec = TaskSpec("arc_easy_text", 4, 3, 40, batch_size=2, steps=1, validation_size=2)
+    task = CausalTask(spec, shared_data, tiny_base, top_layers=1)
+    assert task.num_classes == 4 and task.label_token_ids is None
+    assert task.train[0]["question"] and len(task.train[0]["choices"]) == 4  # ARC's records
+    (batch, *_) = task.train_loader(seed=0)
+    assert batch["inputs_embeds"].shape[:2] == (2, 4) and batch["inputs_embeds"].shape[-1] == 16
+    assert batch["choice_tokens"].shape == batch["attention_mask"].shape
+    # every choice keeps its own tokens, at the end of its sequence
+    for b, c in [(0, 0), (1, 3)]:
+        scored = batch["choice_tokens"][b, c] != -100
+        assert scored.any() and scored[-int(scored.sum()) :].all()
+    network = CausalNetwork(task, seed=0)
+    assert check_cut(task.reference, task.items("train"), network.model) < 1e-5
+    assert all(site.startswith("lm.") and "lora_" in site for site in network.net.random_sites)
+    theta = fine_tune_map(network, task, seed=0)
+    probs, labels = predict(point_draws(network.model, [theta]), task.test_loader())
+    assert probs.shape == (1, 3, 4) and torch.allclose(probs.sum(-1), torch.ones(1, 3))
