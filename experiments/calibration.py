@@ -64,6 +64,16 @@ instead, in cells and checkpoints of its own: on SST-2 the recipe's 10 epochs le
 underfit and calibrated, while at 40 MAP overfits and LA and BLoB beat it
 (``docs/experiments.md``, the ablation).
 
+**A pretrained causal LM** (``--model smollm2``, or a local Llama-architecture model
+directory): every method on :data:`CAUSAL`'s tasks, the ones SmolLM2-135M learns on a CPU
+(``docs/experiments.md``, section 6), with LoRA on the queries and values of its last 16
+decoder layers, the layers below run once per prompt (:mod:`experiments.causal_lm`); the
+classes are the answer tokens' next-token logits, as in the papers, or for ARC-Easy
+(``arc_easy_text``) the log-probabilities of the choices' texts. The recipe is the same for
+every method, at the learning rate the learnability probes chose (1e-3, batch 8). LLLA and
+LA-torch are not run (the causal LM has no new head; laplace-torch takes the encoder's
+classifier); their cells say so. Cells and checkpoints are the model's own.
+
 Outputs in ``--out``: ``results.json`` (with the device, the sizes, the recipe and every
 cell's wall and CPU time), ``calibration.md`` (the tables), ``calibration_<dataset>.png``
 (reliability diagrams of the pooled seeds, one panel per method), ``cells/`` (one JSON per
@@ -74,6 +84,8 @@ Run::
 
     python -m experiments calibration --data-dir ../shared/data --out results/calibration
     python -m experiments calibration --data-dir ../shared/data --out results/paper --device cuda
+    python -m experiments calibration --data-dir ../shared/data --out results/calibration-smollm2 \
+        --model smollm2
 """
 
 from __future__ import annotations
@@ -173,17 +185,24 @@ QUICK = {
         "winogrande_s", 8, 40, max_length=32, batch_size=8, epochs=2, validation_size=8
     ),
 }
-#: The causal LM's run (``--model smollm2``, on a CPU): the two tasks SmolLM2 learns with
+#: The causal LM's run (``--model smollm2``, on a CPU): the three tasks SmolLM2 learns with
 #: LoRA on its last :data:`CAUSAL_TOP_LAYERS` layers (``docs/experiments.md``, section 6),
 #: batch 8, two epochs, the learning rate 1e-3 that the learnability probes chose on
 #: validation sentences (the recipe's schedule: warm-up, then linear decay).
 CAUSAL = {
-    "sst2": TaskSpec("sst2", 512, 256, 64, batch_size=8, steps=128, validation_size=128, lr=1e-3),
-    "imdb": TaskSpec("imdb", 256, 256, 128, batch_size=8, steps=64, validation_size=128, lr=1e-3),
+    name: TaskSpec(
+        name, train, 256, length, batch_size=8, steps=steps, validation_size=128, lr=1e-3
+    )
+    for name, train, length, steps in (
+        ("sst2", 512, 64, 128),
+        ("imdb", 256, 128, 64),
+        ("arc_easy_text", 256, 96, 64),
+    )
 }
-#: The causal LM's CI run (the numbers mean nothing).
+#: The causal LM's CI run: a task of each scoring (the numbers mean nothing).
 CAUSAL_QUICK = {
-    "sst2": TaskSpec("sst2", 8, 8, 32, batch_size=4, steps=2, validation_size=8, lr=1e-3),
+    name: TaskSpec(name, 8, 8, 48, batch_size=4, steps=2, validation_size=8, lr=1e-3)
+    for name in ("sst2", "arc_easy_text")
 }
 #: The decoder layers whose queries and values LoRA adapts (the last ones), full and quick.
 CAUSAL_TOP_LAYERS = {"full": 16, "quick": 1}
@@ -255,7 +274,8 @@ def _run(experiment: Experiment) -> dict:
             CausalNetwork,
             (
                 f"{Path(experiment.model).name} + LoRA on q/v of the last {top_layers} layers, "
-                "answer tokens' next-token logits"
+                "the answer tokens' next-token logits (the choice texts' log-probabilities "
+                "for *_text tasks)"
             ),
         )
     else:
@@ -423,7 +443,10 @@ def _la(fits: _Fits, seed: int) -> dict:
 def _llla(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
     if not network.has_head:
-        return {"rows": {}, "skipped": "no new head: a causal LM's classes are its answer tokens"}
+        return {
+            "rows": {},
+            "skipped": "no new head: the causal LM scores the classes with its own output layer",
+        }
     theta = fits.map(seed)
     model = network.last_layer_model()
     head = {site: theta[site] for site in model.net.random_sites}

@@ -38,6 +38,10 @@ The tasks (prompts end in the answer's position; the label tokens score the choi
   prompt length loses its beginning, not the question;
 - ``winogrande_s``, ``obqa``, ``arc_easy``: the papers' templates
   (:mod:`pyro_bdl.data.prompts`) -> `` A``, `` B``, ...
+- ``arc_easy_text``: ARC-Easy scored by its choices' texts,
+  ``Question: {question}\nAnswer:`` followed by each choice, whose tokens'
+  log-probability scores it (:class:`~pyro_bdl.models.ChoiceTexts`): how small causal LMs
+  answer what they cannot answer with a letter.
 
 **What is scaled down, and why.** On the shared 2-core machine the papers' recipe (LoRA
 on every layer's queries and values, thousands of steps) is out of reach. LoRA (rank 8,

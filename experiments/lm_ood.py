@@ -78,9 +78,8 @@ Outputs in ``--out``: ``results.json``, ``lm_ood.md`` (the table), ``lm_ood_hist
 Run::
 
     python -m experiments lm-ood --data-dir ../shared/data --out results/lm_ood
-    SMOLLM2=$(python -c "from pyro_bdl.models import smollm2; print(smollm2.smollm2_directory())")
     python -m experiments lm-ood --data-dir ../shared/data --out results/lm-ood-smollm2 \
-        --model "$SMOLLM2"
+        --model smollm2
     python -m experiments lm-ood --data-dir ../shared/data --out results/lm_ood_gpu \
         --device cuda --model path/to/Meta-Llama-3-8B
 """
