@@ -286,7 +286,7 @@ def _run(experiment: Experiment) -> dict:
         "model": model,
         "lora": LORA,
         "prior_scale": PRIOR_SCALE,
-        "recipe": _recipe_text(),
+        "recipe": _recipe_text([specs[name] for name in datasets]),
         "tasks": {name: specs[name].asdict() for name in datasets},
         "sizes": {name: task.sizes() for name, task in tasks.items()},
         "methods": settings,
@@ -331,9 +331,11 @@ def _run(experiment: Experiment) -> dict:
     return results
 
 
-def _recipe_text() -> str:
+def _recipe_text(specs: list[TaskSpec]) -> str:
+    rates = {spec.lr for spec in specs} - {None}
+    lr = LEARNING_RATE if not rates else ", ".join(f"{rate:g}" for rate in sorted(rates))
     return (
-        f"AdamW, peak lr {LEARNING_RATE}, {SCHEDULE} decay after a linear warm-up over "
+        f"AdamW, peak lr {lr}, {SCHEDULE} decay after a linear warm-up over "
         f"{WARMUP_RATIO:.0%} of the steps, eps 1e-6; MAP weight decay {WEIGHT_DECAY}; "
         "the task's steps and batch size for every method"
     )
