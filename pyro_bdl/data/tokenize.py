@@ -278,7 +278,7 @@ class CausalChoiceTextCollator:
     Batches multiple-choice records for a causal LM that scores each choice by its own
     text (cloze scoring): one sequence per (question, choice), the prompt followed by the
     choice, whose tokens' log-probabilities
-    (:class:`~pyro_bdl.models.heads.ChoiceTexts`) score it.
+    (:class:`~pyro_bdl.models.ChoiceTexts`) score it.
 
     This is how small causal LMs answer multiple-choice questions that they cannot answer
     with a letter (SmolLM2-135M is at chance on ARC-Easy's letters and answers half of its
@@ -295,14 +295,15 @@ class CausalChoiceTextCollator:
     Example::
 
         collate = CausalChoiceTextCollator(tokenizer, "arc_easy", max_length=128)
-        model = BayesianNet(lora_model(base, "causal_lm").net, ChoiceTexts())
+        lora = lora_model(base, "causal_lm")
+        model = BayesianNet(bdl.lift(ChoiceTexts(lora.peft_model), prior, random="lora_"))
 
     :param tokenizer: a Hugging Face tokenizer (padding is done here, on the left, with the
         pad token or else the end-of-sequence token).
     :param str dataset_name: ``winogrande_*``, ``arc_easy``, ``arc_challenge`` or ``obqa``.
     :param int max_length: tokens per sequence.
     :param str template: the prompt, a format string over ``{context}``, the question
-        (default ``"Question: {context}\nAnswer:"``; WinoGrande's default is the
+        (default ``"Question: {context}\\nAnswer:"``; WinoGrande's default is the
         sentence up to the blank itself). Each choice follows it after a space.
     """
 
