@@ -43,7 +43,7 @@ EXPERIMENTS = {
 #: option -> (why another experiment refuses it, the experiment that takes it).
 _OWN_OPTIONS = {
     "epochs": ("sets a training length per method (see its module docstring)", "calibration"),
-    "model": ("builds its own network", "lm-ood"),
+    "model": ("builds its own network", "lm-ood and calibration"),
     "sizes": ("has fixed sizes", "llm-learnability"),
 }
 
@@ -141,7 +141,8 @@ def _parser(prog: str, name: str | None) -> Parser:
     parser.add_argument(
         "--model",
         type=_model_directory,
-        help="a local Hugging Face causal LM to use as the base (lm-ood)",
+        help="a local Hugging Face causal LM to use as the base, or smollm2 (SmolLM2-135M, "
+        "converted once into the Hugging Face cache) (lm-ood, calibration)",
     )
     parser.add_argument(
         "--sizes",
@@ -168,9 +169,9 @@ def _size(text: str) -> tuple[str, int | float]:
 
 
 def _model_directory(text: str) -> str:
-    if not Path(text).is_dir():
+    if text != "smollm2" and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(
-            f"{text} is not a directory; pass a local Hugging Face model directory"
+            f"{text} is not a directory; pass a local Hugging Face model directory or smollm2"
         )
     return text
 

@@ -64,6 +64,16 @@ instead, in cells and checkpoints of its own: on SST-2 the recipe's 10 epochs le
 underfit and calibrated, while at 40 MAP overfits and LA and BLoB beat it
 (``docs/experiments.md``, the ablation).
 
+**A pretrained causal LM** (``--model smollm2``, or a local Llama-architecture model
+directory): every method on :data:`CAUSAL`'s tasks, the ones SmolLM2-135M learns on a CPU
+(``docs/experiments.md``, section 6), with LoRA on the queries and values of its last 16
+decoder layers, the layers below run once per prompt (:mod:`experiments.causal_lm`); the
+classes are the answer tokens' next-token logits, as in the papers, or for ARC-Easy
+(``arc_easy_text``) the log-probabilities of the choices' texts. The recipe is the same for
+every method, at the learning rate the learnability probes chose (1e-3, batch 8). LLLA and
+LA-torch are not run (the causal LM has no new head; laplace-torch takes the encoder's
+classifier); their cells say so. Cells and checkpoints are the model's own.
+
 Outputs in ``--out``: ``results.json`` (with the device, the sizes, the recipe and every
 cell's wall and CPU time), ``calibration.md`` (the tables), ``calibration_<dataset>.png``
 (reliability diagrams of the pooled seeds, one panel per method), ``cells/`` (one JSON per
@@ -74,6 +84,8 @@ Run::
 
     python -m experiments calibration --data-dir ../shared/data --out results/calibration
     python -m experiments calibration --data-dir ../shared/data --out results/paper --device cuda
+    python -m experiments calibration --data-dir ../shared/data --out results/calibration-smollm2 \
+        --model smollm2
 """
 
 from __future__ import annotations
@@ -86,6 +98,7 @@ from pathlib import Path
 import pyro
 import torch
 
+from experiments.causal_lm import CausalNetwork, CausalTask
 from experiments.lora_finetune import (
     LEARNING_RATE,
     LINKS,
@@ -123,7 +136,7 @@ __all__ = ["run", "FULL", "PAPER", "QUICK", "METHODS"]
 
 #: The :class:`~experiments.runner.Experiment` options this experiment takes
 #: beyond the common ones.
-OPTIONS = ("epochs",)
+OPTIONS = ("epochs", "model")
 
 METHODS = (
     "MLE",
@@ -172,6 +185,27 @@ QUICK = {
         "winogrande_s", 8, 40, max_length=32, batch_size=8, epochs=2, validation_size=8
     ),
 }
+#: The causal LM's run (``--model smollm2``, on a CPU): the three tasks SmolLM2 learns with
+#: LoRA on its last :data:`CAUSAL_TOP_LAYERS` layers (``docs/experiments.md``, section 6),
+#: batch 8, two epochs, the learning rate 1e-3 that the learnability probes chose on
+#: validation sentences (the recipe's schedule: warm-up, then linear decay).
+CAUSAL = {
+    name: TaskSpec(
+        name, train, 256, length, batch_size=8, steps=steps, validation_size=128, lr=1e-3
+    )
+    for name, train, length, steps in (
+        ("sst2", 512, 64, 128),
+        ("imdb", 256, 128, 64),
+        ("arc_easy_text", 256, 96, 64),
+    )
+}
+#: The causal LM's CI run: a task of each scoring (the numbers mean nothing).
+CAUSAL_QUICK = {
+    name: TaskSpec(name, 8, 8, 48, batch_size=4, steps=2, validation_size=8, lr=1e-3)
+    for name in ("sst2", "arc_easy_text")
+}
+#: The decoder layers whose queries and values LoRA adapts (the last ones), full and quick.
+CAUSAL_TOP_LAYERS = {"full": 16, "quick": 1}
 #: Method settings; ``QUICK_METHOD`` overrides some for the CI run.
 METHOD = {
     "ensemble_members": 3,
@@ -217,7 +251,11 @@ def run(experiment: Experiment) -> dict:
 
 def _run(experiment: Experiment) -> dict:
     """Run the grid of datasets x methods x seeds; write the results, tables and figures."""
-    specs = QUICK if experiment.quick else PAPER if experiment.on_gpu else FULL
+    causal = experiment.model is not None
+    if causal:
+        specs = CAUSAL_QUICK if experiment.quick else CAUSAL
+    else:
+        specs = QUICK if experiment.quick else PAPER if experiment.on_gpu else FULL
     if experiment.epochs is not None:
         specs = {
             name: dataclasses.replace(spec, epochs=experiment.epochs, steps=None)
@@ -226,13 +264,29 @@ def _run(experiment: Experiment) -> dict:
     settings = {**METHOD, **(QUICK_METHOD if experiment.quick else {})}
     datasets = experiment.selected("datasets", specs)
     methods = experiment.selected("methods", METHODS)
-    tokenizer = minilm_tokenizer()
-    tasks = {name: Task(specs[name], experiment.data_dir, tokenizer) for name in datasets}
+    if causal:
+        top_layers = CAUSAL_TOP_LAYERS["quick" if experiment.quick else "full"]
+        tasks = {
+            name: CausalTask(specs[name], experiment.data_dir, experiment.model, top_layers)
+            for name in datasets
+        }
+        network, model = (
+            CausalNetwork,
+            (
+                f"{Path(experiment.model).name} + LoRA on q/v of the last {top_layers} layers, "
+                "the answer tokens' next-token logits (the choice texts' log-probabilities "
+                "for *_text tasks)"
+            ),
+        )
+    else:
+        tokenizer = minilm_tokenizer()
+        tasks = {name: Task(specs[name], experiment.data_dir, tokenizer) for name in datasets}
+        network, model = Network, "all-MiniLM-L6-v2 + LoRA on query/value, new head"
     experiment.settings = {
-        "model": "all-MiniLM-L6-v2 + LoRA on query/value, new head",
+        "model": model,
         "lora": LORA,
         "prior_scale": PRIOR_SCALE,
-        "recipe": _recipe_text(),
+        "recipe": _recipe_text([specs[name] for name in datasets]),
         "tasks": {name: specs[name].asdict() for name in datasets},
         "sizes": {name: task.sizes() for name, task in tasks.items()},
         "methods": settings,
@@ -240,14 +294,17 @@ def _run(experiment: Experiment) -> dict:
     }
     cells: dict[str, dict[str, dict[int, dict]]] = {}
     extras: dict[str, dict[str, dict[int, dict]]] = {}
-    # another training length is another fine-tune: its own checkpoints and cells
+    # another training length or model is another fine-tune: its own checkpoints and cells
     length = () if experiment.epochs is None else (f"epochs={experiment.epochs}",)
+    if causal:
+        length += (f"model={Path(experiment.model).name}",)
     for dataset, task in tasks.items():
         fits = _Fits(
             experiment.out / "checkpoints" / "__".join((dataset, *length)),
             task,
             settings,
             experiment.device,
+            network,
         )
         for seed in experiment.seeds:
             for method in methods:
@@ -274,9 +331,11 @@ def _run(experiment: Experiment) -> dict:
     return results
 
 
-def _recipe_text() -> str:
+def _recipe_text(specs: list[TaskSpec]) -> str:
+    rates = {spec.lr for spec in specs} - {None}
+    lr = LEARNING_RATE if not rates else ", ".join(f"{rate:g}" for rate in sorted(rates))
     return (
-        f"AdamW, peak lr {LEARNING_RATE}, {SCHEDULE} decay after a linear warm-up over "
+        f"AdamW, peak lr {lr}, {SCHEDULE} decay after a linear warm-up over "
         f"{WARMUP_RATIO:.0%} of the steps, eps 1e-6; MAP weight decay {WEIGHT_DECAY}; "
         "the task's steps and batch size for every method"
     )
@@ -285,15 +344,23 @@ def _recipe_text() -> str:
 class _Fits:
     """The fine-tunes of one task that several methods share, cached on disk."""
 
-    def __init__(self, directory: Path, task: Task, settings: dict, device: torch.device):
+    def __init__(
+        self,
+        directory: Path,
+        task: Task,
+        settings: dict,
+        device: torch.device,
+        network: type[Network] = Network,
+    ):
         self.directory = directory
         self.task = task
         self.settings = settings
         self.device = device
+        self.network_type = network
 
     def network(self, seed: int) -> Network:
         pyro.clear_param_store()
-        return Network(self.task, seed, self.device)
+        return self.network_type(self.task, seed, self.device)
 
     def map(self, seed: int) -> dict[str, torch.Tensor]:
         return checkpoint(
@@ -377,6 +444,11 @@ def _la(fits: _Fits, seed: int) -> dict:
 
 def _llla(fits: _Fits, seed: int) -> dict:
     network = fits.network(seed)
+    if not network.has_head:
+        return {
+            "rows": {},
+            "skipped": "no new head: the causal LM scores the classes with its own output layer",
+        }
     theta = fits.map(seed)
     model = network.last_layer_model()
     head = {site: theta[site] for site in model.net.random_sites}
@@ -398,8 +470,8 @@ def _la_torch(fits: _Fits, seed: int) -> dict:
         curvatures = importlib.import_module("laplace.curvature")
     except ImportError:
         return {"rows": {}, "skipped": "laplace-torch is not installed"}
-    if fits.task.multiple_choice:
-        return {"rows": {}, "skipped": "laplace-torch runs on the classification tasks"}
+    if fits.task.multiple_choice or isinstance(fits.task, CausalTask):
+        return {"rows": {}, "skipped": "laplace-torch runs on the encoder's classification tasks"}
     network = fits.network(seed)
     with network.net.fixed(fits.map(seed)):
         module = copy.deepcopy(network.module)

@@ -38,6 +38,10 @@ The tasks (prompts end in the answer's position; the label tokens score the choi
   prompt length loses its beginning, not the question;
 - ``winogrande_s``, ``obqa``, ``arc_easy``: the papers' templates
   (:mod:`pyro_bdl.data.prompts`) -> `` A``, `` B``, ...
+- ``arc_easy_text``: ARC-Easy scored by its choices' texts,
+  ``Question: {question}\nAnswer:`` followed by each choice, whose tokens'
+  log-probability scores it (:class:`~pyro_bdl.models.ChoiceTexts`): how small causal LMs
+  answer what they cannot answer with a letter.
 
 **What is scaled down, and why.** On the shared 2-core machine the papers' recipe (LoRA
 on every layer's queries and values, thousands of steps) is out of reach. LoRA (rank 8,
@@ -69,36 +73,33 @@ import logging
 import math
 
 import torch
-from torch.utils.data import DataLoader
 
+from experiments.causal_lm import (
+    PROMPTS,
+    FrozenPrefix,
+    causal_lora,
+    causal_tokenizer,
+    check_cut,
+    hidden_items,
+    hidden_loader,
+    label_ids,
+    whole_model_logits,
+)
 from experiments.runner import Experiment, markdown_table
 from pyro_bdl import metrics
 from pyro_bdl.data import RecordDataset, load
-from pyro_bdl.data.prompts import answer_labels
-from pyro_bdl.data.tokenize import CausalMultipleChoiceCollator, answer_token_ids
 from pyro_bdl.inference import fit_laplace_lora
 from pyro_bdl.inference.baselines import map_estimate, temperature_scaling
 from pyro_bdl.priors import LayerwiseNormal
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ["TASKS", "METHODS", "OPTIONS", "FrozenPrefix", "run"]
+__all__ = ["METHODS", "OPTIONS", "run"]
 
 METHODS = ("MAP", "MAP+TS", "LA")
 #: ``--sizes`` overrides :data:`FULL` (or :data:`QUICK`): the tasks' prompts differ in
 #: length by a factor of eight, so one set of sizes does not fit every task's time.
 OPTIONS = ("sizes",)
-
-#: dataset -> (prompt template or None for the papers', load() options)
-TASKS = {
-    "sst2": ("Review: {text}\nSentiment:", {}),
-    "imdb": ("Review: {text}\nSentiment:", {}),
-    "winogrande_s": (None, {}),
-    "obqa": (None, {}),
-    "arc_easy": (None, {"num_choices": 4}),
-    "boolq": ("{passage}\nQuestion: {question}? Answer True or False.\nAnswer:", {}),
-}
-_LABELS = {"sst2": [" negative", " positive"], "imdb": [" negative", " positive"]}
 
 #: The CPU run. ``top_layers`` and ``lr`` were chosen by probes of 30-48 steps scored on
 #: the first 256 of SST-2's held-out draw, the validation questions here (2 layers: no
@@ -131,109 +132,10 @@ QUICK = {
 LAPLACE_PRIOR = LayerwiseNormal.fan_in(gain=1.0)
 
 
-class FrozenPrefix:
-    """The decoder layers below the LoRA layers of a Llama-like causal LM, run once.
-
-    ``FrozenPrefix(model, top_layers)`` cuts ``model`` (in place) to its last
-    ``top_layers`` decoder layers, its final norm and head; :meth:`hidden` gives, for
-    a batch of token ids, the hidden states that the removed layers would hand to the
-    kept ones. The cut model fed with them (``inputs_embeds=``) computes what the whole
-    model computes from the tokens: positions come from the attention mask, and the
-    removed layers have no weights that LoRA on the kept layers changes.
-
-    :param model: a ``transformers`` Llama-architecture causal LM (``model.model.layers``).
-    :param int top_layers: decoder layers kept (the ones LoRA adapts).
-    """
-
-    def __init__(self, model, top_layers: int):
-        inner = model.model
-        layers = inner.layers
-        if not 1 <= top_layers < len(layers):
-            raise ValueError(f"top_layers must be in [1, {len(layers) - 1}], got {top_layers}")
-        self.inner, self.config = inner, model.config
-        self.bottom = layers[: len(layers) - top_layers]
-        self.top = layers[len(layers) - top_layers :]
-        self.norm = inner.norm
-        inner.layers = self.top
-        model.config.num_hidden_layers = top_layers
-        if getattr(model.config, "layer_types", None):
-            model.config.layer_types = model.config.layer_types[-top_layers:]
-
-    @torch.no_grad()
-    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``(B, L, hidden)`` states entering the kept layers (left-padded prompts)."""
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        # transformers runs layers[: config.num_hidden_layers]: the count follows the cut.
-        self.inner.layers, self.inner.norm = self.bottom, torch.nn.Identity()
-        self.config.num_hidden_layers = len(self.bottom)
-        try:
-            out = self.inner(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            )
-        finally:
-            self.inner.layers, self.inner.norm = self.top, self.norm
-            self.config.num_hidden_layers = len(self.top)
-        return out.last_hidden_state
-
-
-def _tokenizer():
-    from transformers import AutoTokenizer
-
-    from pyro_bdl.models.smollm2 import smollm2_directory
-
-    return AutoTokenizer.from_pretrained(smollm2_directory())
-
-
-def _label_ids(tokenizer, dataset: str, record: dict) -> list[int]:
-    labels = _LABELS.get(dataset) or answer_labels(record, dataset)
-    return answer_token_ids(tokenizer, labels)
-
-
-def _cached(prefix: FrozenPrefix, collate, records, batch_size: int) -> list[dict]:
-    """Each record's hidden states at the cut (unpadded) and label."""
-    items = []
-    for start in range(0, len(records), batch_size):
-        batch = collate(records[start : start + batch_size])
-        hidden = prefix.hidden(batch["input_ids"], batch["attention_mask"])
-        for row in range(hidden.shape[0]):
-            keep = batch["attention_mask"][row].bool()
-            items.append({"h": hidden[row, keep].clone(), "label": batch["labels"][row]})
-    return items
-
-
-def _collate_hidden(items: list[dict]) -> dict[str, torch.Tensor]:
-    """Left-pad cached hidden states: the batch the cut model takes."""
-    length = max(item["h"].shape[0] for item in items)
-    width = items[0]["h"].shape[1]
-    embeds = torch.zeros(len(items), length, width)
-    mask = torch.zeros(len(items), length, dtype=torch.long)
-    for row, item in enumerate(items):
-        n = item["h"].shape[0]
-        embeds[row, length - n :] = item["h"]
-        mask[row, length - n :] = 1
-    labels = torch.stack([item["label"] for item in items])
-    return {"inputs_embeds": embeds, "attention_mask": mask, "labels": labels}
-
-
-def _loader(items: list[dict], batch_size: int, seed: int | None = None) -> DataLoader:
-    """Batches of cached prompts; shuffled (by ``seed``) for training, in order otherwise."""
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return DataLoader(
-        items,
-        batch_size=batch_size,
-        shuffle=seed is not None,
-        collate_fn=_collate_hidden,
-        generator=generator,
-    )
-
-
 def _score(probabilities, items: list[dict]) -> dict[str, float]:
     """Accuracy, NLL, ECE and Brier of ``probabilities(batch) -> (B, C)`` over ``items``."""
     probs, labels = [], []
-    for batch in _loader(items, 16):
+    for batch in hidden_loader(items, 16):
         probs.append(probabilities(batch).detach())
         labels.append(batch["labels"])
     return metrics.summarize(torch.cat(probs), torch.cat(labels))
@@ -254,10 +156,17 @@ def _split(experiment: Experiment, dataset: str, sizes: dict, seed: int):
     records on which :data:`FULL`'s settings were chosen; the test records are a seeded
     draw of ``num_test`` of the others.
     """
-    _, options = TASKS[dataset]
+    prompting = PROMPTS[dataset]
 
     def draw(split: str, limit: int | None):
-        return load(dataset, experiment.data_dir, split, limit=limit, seed=seed, **options)
+        return load(
+            prompting.dataset,
+            experiment.data_dir,
+            split,
+            limit=limit,
+            seed=seed,
+            **prompting.options,
+        )
 
     validation = list(draw("test", sizes["num_validation"]))
     others = RecordDataset([record for record in draw("test", None) if record not in validation])
@@ -268,38 +177,31 @@ def _split(experiment: Experiment, dataset: str, sizes: dict, seed: int):
 def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from pyro_bdl.models import lora_model
     from pyro_bdl.models.smollm2 import smollm2_directory
 
-    template, _ = TASKS[dataset]
+    prompting = PROMPTS[dataset]
     train, validation, test = _split(experiment, dataset, sizes, seed)
-    tokenizer = _tokenizer()
-    ids = _label_ids(tokenizer, dataset, train[0])
+    tokenizer = causal_tokenizer(smollm2_directory())
+    ids = None
+    if prompting.scoring == "answer_tokens":
+        ids = label_ids(tokenizer, prompting.dataset, train[0])
     torch.manual_seed(seed)
     full = AutoModelForCausalLM.from_pretrained(smollm2_directory())
     full.eval()
-    collate = CausalMultipleChoiceCollator(
-        tokenizer, dataset, max_length=sizes["max_length"], template=template
-    )
+    collate = prompting.collator(tokenizer, sizes["max_length"])
     # Check the cut on the whole model first (a reference before it is cut).
-    reference = _cached_reference(full, collate, train[:2], ids)
+    reference = whole_model_logits(full, collate, train[:2], ids)
     prefix = FrozenPrefix(full, sizes["top_layers"])
     train_items, validation_items, test_items = (
-        _cached(prefix, collate, records, sizes["batch_size"])
+        hidden_items(prefix, collate, records, sizes["batch_size"])
         for records in (train, validation, test)
     )
-    lora = lora_model(full, "multiple_choice", label_token_ids=ids, tokenizer=tokenizer)
+    lora = causal_lora(full, prompting, tokenizer, ids)
     num_data = len(train_items)
-    # Calling the Pyro model draws the adapters from the prior: fix them at the module's.
-    with torch.no_grad(), lora.net.fixed(lora.net.init_values()):
-        cut = lora.model(_collate_hidden(train_items[:2]), num_data)
-    cut_error = float((reference - cut).abs().max())
-    if cut_error > 1e-3:
-        raise RuntimeError(
-            f"the cut model's answer logits differ by {cut_error:.3g} from the whole"
-        )
-    counts = torch.bincount(torch.stack([i["label"] for i in test_items]), minlength=len(ids))
-    loader = _loader(train_items, sizes["batch_size"], seed)
+    cut_error = check_cut(reference, train_items, lora.model)
+    num_classes = reference.shape[-1]
+    counts = torch.bincount(torch.stack([i["label"] for i in test_items]), minlength=num_classes)
+    loader = hidden_loader(train_items, sizes["batch_size"], seed)
     scored = (lora, num_data, validation_items, test_items)
     curve = [_point(0, lora.net.init_values(), *scored)]
     _logger.info("%s step 0: %s", dataset, curve[-1])
@@ -334,14 +236,20 @@ def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
             for step, fitted in sorted(checkpoints.items())
         },
         "majority": float(counts.max()) / float(counts.sum()),
-        "chance_nll": math.log(len(ids)),
+        "chance_nll": math.log(num_classes),
         "num_train": num_data,
         "num_validation": len(validation_items),
         "num_test": len(test_items),
-        "mean_prompt_tokens": sum(i["h"].shape[0] for i in train_items) / num_data,
+        # per example: the prompt's tokens, or the sum over its choices' sequences
+        "mean_prompt_tokens": sum(map(_tokens, train_items)) / num_data,
         "cut_error": cut_error,
         "settings": dict(sizes),  # each cell its own: a resumed run may use other sizes
     }
+
+
+def _tokens(item: dict) -> int:
+    states = item["h"]
+    return sum(len(h) for h in states) if isinstance(states, list) else len(states)
 
 
 def _point(step: int, values, lora, num_data: int, validation_items, test_items) -> dict:
@@ -360,14 +268,14 @@ def _compare(lora, predictor, train_items, validation_items, test_items, sizes) 
     num_data = len(train_items)
     values = predictor.point()
     _set_module(lora, values)
-    validation = _loader(validation_items, 16)
+    validation = hidden_loader(validation_items, 16)
     scaled = temperature_scaling(predictor, validation, num_data)
     # Laplace-LoRA's evidence tuning starts from the fan-in prior, not the model's IID one.
     previous, lora.net.prior = lora.net.prior, LAPLACE_PRIOR
     try:
         guide, link, scores = fit_laplace_lora(
             lora.model,
-            _loader(train_items, sizes["batch_size"]),
+            hidden_loader(train_items, sizes["batch_size"]),
             num_data,
             validation,
             map=dict(values),
@@ -396,20 +304,6 @@ def _compare(lora, predictor, train_items, validation_items, test_items, sizes) 
     return methods
 
 
-def _cached_reference(full, collate, records, ids: list[int]) -> torch.Tensor:
-    """Answer-token logits of the whole model, before the cut, for the check."""
-    batch = collate(records)
-    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = full(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=position_ids,
-            use_cache=False,
-        ).logits
-    return logits[:, -1, ids]
-
-
 def _set_module(lora, values) -> None:
     with torch.no_grad():
         for site, value in values.items():
@@ -421,7 +315,7 @@ def run(experiment: Experiment) -> dict:
     methods at the last step (``learnability.md``)."""
     sizes = _sizes(QUICK if experiment.quick else FULL, experiment.sizes or {})
     experiment.settings.update(sizes)
-    datasets = experiment.selected("datasets", TASKS)
+    datasets = experiment.selected("datasets", PROMPTS)
     experiment.selected("methods", METHODS)  # refuses a name it does not have, before any work
     results = {}
     for dataset in datasets:

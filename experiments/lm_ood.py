@@ -78,9 +78,8 @@ Outputs in ``--out``: ``results.json``, ``lm_ood.md`` (the table), ``lm_ood_hist
 Run::
 
     python -m experiments lm-ood --data-dir ../shared/data --out results/lm_ood
-    SMOLLM2=$(python -c "from pyro_bdl.models import smollm2; print(smollm2.smollm2_directory())")
     python -m experiments lm-ood --data-dir ../shared/data --out results/lm-ood-smollm2 \
-        --model "$SMOLLM2"
+        --model smollm2
     python -m experiments lm-ood --data-dir ../shared/data --out results/lm_ood_gpu \
         --device cuda --model path/to/Meta-Llama-3-8B
 """
@@ -97,8 +96,8 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch.utils.data import ConcatDataset
 
-from experiments.llm_learnability import FrozenPrefix
-from experiments.lora_finetune import _quiet, checkpoint, single_thread
+from experiments.causal_lm import FrozenPrefix
+from experiments.lora_finetune import checkpoint, quiet, single_thread
 from experiments.ood import LANGUAGES, _auroc
 from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl import lm
@@ -349,7 +348,7 @@ class _Data:
         base = lora_model_base(self.base, self.device)
         if self.prefix is not None:
             base = self.prefix.attach(base)
-        with _quiet():
+        with quiet():
             return lora_model(
                 base,
                 "causal_lm",
@@ -434,7 +433,7 @@ def lora_model_base(path: Path, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with _quiet():
+    with quiet():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device)
 

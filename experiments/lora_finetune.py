@@ -76,6 +76,7 @@ __all__ = [
     "ChoiceByChoice",
     "checkpoint",
     "single_thread",
+    "quiet",
     "fine_tune_map",
     "point_draws",
     "guide_draws",
@@ -124,6 +125,8 @@ class TaskSpec:
         that ``validation_split`` holds).
     :param str validation_split: the dataset's own validation split (OpenBookQA's
         ``"validation"``), instead of a part of the held-out file.
+    :param float lr: the recipe's peak learning rate for this task's model (None:
+        :data:`LEARNING_RATE`, the papers' for an encoder).
     """
 
     dataset: str
@@ -135,6 +138,7 @@ class TaskSpec:
     steps: int | None = None
     validation_size: int | None = 0
     validation_split: str | None = None
+    lr: float | None = None
 
     def asdict(self) -> dict:
         return asdict(self)
@@ -157,9 +161,9 @@ class Task:
 
     def __init__(self, spec: TaskSpec, data_dir: str | os.PathLike, tokenizer=None):
         self.spec = spec
-        options = {"num_choices": 4} if spec.dataset.startswith("arc") else {}
-        self.train = load(spec.dataset, data_dir, "train", limit=spec.train_size, **options)
-        held_out = load(spec.dataset, data_dir, "test", **options)
+        self.data_dir = data_dir
+        self.train = self._load("train", spec.train_size)
+        held_out = self._load("test")
         order = random.Random(0).sample(range(len(held_out)), len(held_out))
         if spec.validation_split is None:
             cut = spec.validation_size or 0
@@ -171,7 +175,7 @@ class Task:
             validation, order = order[:cut], order[cut:]
             self.validation = RecordDataset([held_out[i] for i in sorted(validation)])
         else:
-            self.validation = load(spec.dataset, data_dir, spec.validation_split, **options)
+            self.validation = self._load(spec.validation_split)
             if spec.validation_size is not None:
                 self.validation = self.validation.subset(spec.validation_size, seed=0)
         chosen = order if spec.test_size is None else order[: spec.test_size]
@@ -179,11 +183,19 @@ class Task:
         self.multiple_choice = "choices" in self.train[0]
         self.num_classes = len(self.train[0]["choices"]) if self.multiple_choice else 2
         self.tokenizer = tokenizer if tokenizer is not None else minilm_tokenizer()
+        self.collate = self._collator()
+
+    def _load(self, split: str, limit: int | None = None) -> RecordDataset:
+        """A split of the task's records (a seeded subset of ``limit``)."""
+        options = {"num_choices": 4} if self.spec.dataset.startswith("arc") else {}
+        return load(self.spec.dataset, self.data_dir, split, limit=limit, **options)
+
+    def _collator(self):
+        """What turns records into the network's batches."""
         if self.multiple_choice:
-            self.collate = MultipleChoiceCollator(self.tokenizer, spec.dataset, spec.max_length)
-        else:
-            fields = ("question", "passage") if "passage" in self.train[0] else ("text",)
-            self.collate = ClassificationCollator(self.tokenizer, spec.max_length, fields)
+            return MultipleChoiceCollator(self.tokenizer, self.spec.dataset, self.spec.max_length)
+        fields = ("question", "passage") if "passage" in self.train[0] else ("text",)
+        return ClassificationCollator(self.tokenizer, self.spec.max_length, fields)
 
     @property
     def num_data(self) -> int:
@@ -316,7 +328,7 @@ class Network:
     def __init__(self, task: Task, seed: int, device: str | torch.device = "cpu"):
         torch.manual_seed(seed)
         self.device = torch.device(device)
-        with _quiet():
+        with quiet():
             self.lora: LoRAModel = lora_model(
                 "minilm",
                 "multiple_choice" if task.multiple_choice else "classification",
@@ -325,6 +337,7 @@ class Network:
                 **LORA,
             )
         self.lora.peft_model.to(self.device)
+        self.likelihood = None  # the model's: the classes are the module's logits
         if task.multiple_choice:
             self.module = ChoiceByChoice(self.lora.peft_model)
             self.model = self.lifted(lambda name, p: "lora_" in name or _is_head(name))
@@ -342,11 +355,16 @@ class Network:
         """
         prior = bdl.priors.IIDNormal(PRIOR_SCALE)
         net = bdl.lift(self.module, prior, random=random, point=point, frozen=frozen)
-        return BayesianNet(net)
+        return BayesianNet(net, self.likelihood)
 
     def blob_model(self) -> BayesianNet:
         """BLoB's model: LoRA A random, LoRA B and the head point estimates (section 3.1)."""
         return self.lifted("lora_A", point=lambda name, p: "lora_B" in name or _is_head(name))
+
+    @property
+    def has_head(self) -> bool:
+        """Whether the network has a new output head (a last layer of its own)."""
+        return any(_is_head(name) for name, _ in self.module.named_parameters())
 
     def last_layer_model(self) -> BayesianNet:
         """The head random, every other weight the module's own (last-layer Laplace)."""
@@ -367,7 +385,7 @@ def _is_head(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """No load report, warnings or progress bar from transformers while building."""
     from transformers.utils import logging
 
@@ -412,7 +430,7 @@ def training_recipe(task: Task) -> dict:
     """
     return {
         "num_steps": task.num_steps,
-        "lr": LEARNING_RATE,
+        "lr": LEARNING_RATE if task.spec.lr is None else task.spec.lr,
         "schedule": SCHEDULE,
         "warmup_ratio": WARMUP_RATIO,
     }

@@ -48,8 +48,9 @@ class Experiment:
         experiment's own number (an ablation of the training length; only experiments
         whose module lists ``"epochs"`` in ``OPTIONS`` take it).
     :param str model: a local Hugging Face model directory to use instead of the
-        experiment's own network (only experiments whose module lists ``"model"`` in
-        ``OPTIONS`` take it).
+        experiment's own network, or ``"smollm2"`` (SmolLM2-135M-Instruct, converted once
+        into the Hugging Face cache by :func:`~pyro_bdl.models.smollm2.smollm2_directory`)
+        (only experiments whose module lists ``"model"`` in ``OPTIONS`` take it).
     :param dict sizes: override these of the experiment's sizes (only experiments whose
         module lists ``"sizes"`` in ``OPTIONS`` take it; each checks the names).
     """
@@ -79,10 +80,14 @@ class Experiment:
         self.device = resolve_device(self.device)
         if self.epochs is not None:
             self.epochs = integer("--epochs", self.epochs, low=1)
+        if self.model == "smollm2":
+            from pyro_bdl.models.smollm2 import smollm2_directory
+
+            self.model = str(smollm2_directory())
         if self.model is not None and not Path(self.model).is_dir():
             raise FileNotFoundError(
                 f"--model: {self.model} is not a directory; pass a local Hugging Face model "
-                "directory (its config.json, weights and tokenizer)"
+                "directory (its config.json, weights and tokenizer) or smollm2"
             )
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "cells").mkdir(exist_ok=True)

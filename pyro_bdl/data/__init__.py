@@ -24,6 +24,9 @@ Batch formats (``B`` records, ``L`` tokens: the longest of the batch, ``C`` choi
   ``input_ids``, ``attention_mask`` ``(B, L)``, LEFT-padded so that position ``-1`` is the
   last prompt token; ``labels`` ``(B,)`` index the record's :func:`answer_labels`, whose
   token ids :func:`answer_token_ids` gives.
+- :class:`CausalChoiceTextCollator` (causal LMs scoring each choice's text, cloze):
+  ``input_ids``, ``attention_mask``, ``choice_tokens`` ``(B, C, L)``, LEFT-padded;
+  ``choice_tokens`` are the choice's token ids at its positions, ``-100`` elsewhere.
 - :class:`CausalLMCollator` (windows of :func:`token_windows`): ``input_ids``,
   ``attention_mask``, ``labels`` ``(B, L)``, right-padded; ``labels`` equal ``input_ids``
   (the model shifts them), ``-100`` at padding.
@@ -53,6 +56,7 @@ from pyro_bdl.data.readers import read_gutenberg
 from pyro_bdl.data.records import RecordDataset
 from pyro_bdl.data.tensor_loader import TensorLoader
 from pyro_bdl.data.tokenize import (
+    CausalChoiceTextCollator,
     CausalLMCollator,
     CausalMultipleChoiceCollator,
     ClassificationCollator,
@@ -66,6 +70,7 @@ from pyro_bdl.data.vocabulary import WordCollator, WordVocabulary, split_words
 __all__ = [
     "DATASETS",
     "CausalLMCollator",
+    "CausalChoiceTextCollator",
     "CausalMultipleChoiceCollator",
     "ClassificationCollator",
     "MultipleChoiceCollator",

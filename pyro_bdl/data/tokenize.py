@@ -273,6 +273,100 @@ class CausalMultipleChoiceCollator:
         }
 
 
+class CausalChoiceTextCollator:
+    """
+    Batches multiple-choice records for a causal LM that scores each choice by its own
+    text (cloze scoring): one sequence per (question, choice), the prompt followed by the
+    choice, whose tokens' log-probabilities
+    (:class:`~pyro_bdl.models.ChoiceTexts`) score it.
+
+    This is how small causal LMs answer multiple-choice questions that they cannot answer
+    with a letter (SmolLM2-135M is at chance on ARC-Easy's letters and answers half of its
+    questions by their text); the papers' letter scoring is
+    :class:`CausalMultipleChoiceCollator`. The (context, choice) texts are
+    :func:`~pyro_bdl.data.prompts.choice_pairs`' (for WinoGrande the sentence up to the
+    blank, then the option and the rest of the sentence).
+
+    Batch: ``input_ids`` and ``attention_mask`` of shape ``(B, C, L)``, LEFT-padded;
+    ``choice_tokens`` ``(B, C, L)``, the choice's token ids at its own positions (the last
+    ones of its sequence) and ``-100`` elsewhere; ``labels`` ``(B,)``, the right choice. A
+    sequence longer than ``max_length`` loses the beginning of its prompt.
+
+    Example::
+
+        collate = CausalChoiceTextCollator(tokenizer, "arc_easy", max_length=128)
+        lora = lora_model(base, "causal_lm")
+        model = BayesianNet(bdl.lift(ChoiceTexts(lora.peft_model), prior, random="lora_"))
+
+    :param tokenizer: a Hugging Face tokenizer (padding is done here, on the left, with the
+        pad token or else the end-of-sequence token).
+    :param str dataset_name: ``winogrande_*``, ``arc_easy``, ``arc_challenge`` or ``obqa``.
+    :param int max_length: tokens per sequence.
+    :param str template: the prompt, a format string over ``{context}``, the question
+        (default ``"Question: {context}\\nAnswer:"``; WinoGrande's default is the
+        sentence up to the blank itself). Each choice follows it after a space.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        dataset_name: str,
+        max_length: int = 512,
+        template: str | None = None,
+    ):
+        function("tokenizer", tokenizer, "a Hugging Face tokenizer")
+        self.tokenizer = tokenizer
+        self.dataset_name = one_of("dataset_name", dataset_name, MULTIPLE_CHOICE)
+        if template is None:
+            sentence = dataset_name.startswith("winogrande")
+            template = "{context}" if sentence else "Question: {context}\nAnswer:"
+        self.template = instance("template", template, str, "a format string over {context}")
+        self.max_length = integer("max_length", max_length, low=2)
+        self.pad_id = _pad_id(tokenizer)
+
+    def _sequence(self, context: str, choice: str) -> tuple[list[int], int]:
+        """The prompt's and the choice's token ids, cut to ``max_length``; the choice's length."""
+        encoding = self.tokenizer(
+            self.template.format(context=context), return_special_tokens_mask=True, verbose=False
+        )
+        prompt = _without_trailing_special(encoding["input_ids"], encoding["special_tokens_mask"])
+        answer = self.tokenizer(" " + choice, add_special_tokens=False)["input_ids"]
+        answer = answer[-(self.max_length - 1) :]  # at least one prompt token conditions it
+        return (prompt + answer)[-self.max_length :], len(answer)
+
+    def __call__(self, records: Sequence[Record]) -> Batch:
+        _check_records(records)
+        sequences = [
+            [
+                self._sequence(context, choice)
+                for context, choice in choice_pairs(r, self.dataset_name)
+            ]
+            for r in records
+        ]
+        choices = {len(row) for row in sequences}
+        if len(choices) != 1:
+            raise ValueError(
+                f"records with different numbers of choices ({sorted(choices)}) cannot share a "
+                "batch; load them with num_choices=... (ARC) or batch them apart"
+            )
+        length = max(len(ids) for row in sequences for ids, _ in row)
+        shape = (len(records), choices.pop(), length)
+        input_ids = torch.full(shape, self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros(shape, dtype=torch.long)
+        choice_tokens = torch.full(shape, -100, dtype=torch.long)
+        for b, row in enumerate(sequences):
+            for c, (ids, answer) in enumerate(row):
+                input_ids[b, c, length - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[b, c, length - len(ids) :] = 1
+                choice_tokens[b, c, length - answer :] = input_ids[b, c, length - answer :]
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "choice_tokens": choice_tokens,
+            "labels": labels_tensor(records),
+        }
+
+
 class TokenWindows(Dataset):
     """
     A token sequence cut into windows of ``window`` tokens, starting every ``stride`` tokens.

@@ -11,6 +11,7 @@ Example::
 
 from pyro_bdl.models.bayesian_net import BayesianNet
 from pyro_bdl.models.checkpointing import enable_checkpointing
+from pyro_bdl.models.choice_texts import ChoiceTexts
 from pyro_bdl.models.cnn_lstm import CNNLSTM, cnn_lstm_model
 from pyro_bdl.models.heads import AnswerTokens, Classification, DictLogits, NextToken
 from pyro_bdl.models.lora import LoRAModel, lora_model
@@ -20,6 +21,7 @@ __all__ = [
     "BayesianNet",
     "Classification",
     "AnswerTokens",
+    "ChoiceTexts",
     "NextToken",
     "DictLogits",
     "CNNLSTM",

@@ -2,12 +2,14 @@ import pytest
 import torch
 
 from pyro_bdl.data import (
+    CausalChoiceTextCollator,
     CausalLMCollator,
     CausalMultipleChoiceCollator,
     ClassificationCollator,
     MultipleChoiceCollator,
     TokenWindows,
     answer_token_ids,
+    choice_pairs,
     format_prompt,
     load,
     make_loader,
@@ -219,3 +221,46 @@ def test_causal_lm_batch_from_windows(word_tokenizer):
     assert batch["attention_mask"].tolist()[2] == [1, 1, 0, 0]
     assert batch["labels"].tolist()[2] == [11, 12, -100, -100]
     assert torch.equal(batch["labels"][:2], batch["input_ids"][:2])
+
+
+@pytest.mark.parametrize("name", ["arc_easy", "winogrande_s"])
+def test_choice_text_batch_marks_each_choice_at_the_end_of_its_sequence(
+    data_root, minilm_tokenizer, name
+):
+    options = {"num_choices": 4} if name == "arc_easy" else {}
+    records = list(load(name, data_root, "train", limit=3, **options))
+    batch = CausalChoiceTextCollator(minilm_tokenizer, name, max_length=96)(records)
+    count = len(records[0]["choices"])
+    assert batch["input_ids"].shape[:2] == (3, count) and batch["labels"].tolist() == [
+        r["label"] for r in records
+    ]
+    assert batch["choice_tokens"].shape == batch["attention_mask"].shape
+    for b, record in enumerate(records):
+        for c, (_, choice) in enumerate(choice_pairs(record, name)):  # WinoGrande: + the rest
+            scored = batch["choice_tokens"][b, c] != -100
+            text = minilm_tokenizer.decode(batch["choice_tokens"][b, c, scored])
+            assert text == minilm_tokenizer.decode(
+                minilm_tokenizer(" " + choice)["input_ids"][1:-1]
+            )
+            # left-padded: the choice's tokens are the last, after a real prompt
+            assert scored[-int(scored.sum()) :].all() and batch["attention_mask"][b, c, -1] == 1
+            first = int(torch.nonzero(batch["attention_mask"][b, c])[0])
+            prompt = minilm_tokenizer.decode(batch["input_ids"][b, c, first:][~scored[first:]])
+            if name == "arc_easy":
+                assert prompt.startswith("[CLS] question :") and prompt.endswith("answer :")
+
+
+def test_choice_text_batch_cuts_the_prompt_first_and_refuses_ragged_choices(
+    data_root, minilm_tokenizer
+):
+    records = list(load("arc_easy", data_root, "train", limit=2, num_choices=4))
+    batch = CausalChoiceTextCollator(minilm_tokenizer, "arc_easy", max_length=6)(records)
+    assert batch["input_ids"].shape[-1] == 6
+    assert (batch["choice_tokens"] != -100).sum(-1).max() <= 5  # one prompt token kept
+    mixed = list(load("arc_easy", data_root, "train", limit=400))
+    three = next(r for r in mixed if len(r["choices"]) == 3)
+    four = next(r for r in mixed if len(r["choices"]) == 4)
+    with pytest.raises(ValueError, match="different numbers of choices"):
+        CausalChoiceTextCollator(minilm_tokenizer, "arc_easy")([three, four])
+    with pytest.raises(ValueError, match="dataset_name"):
+        CausalChoiceTextCollator(minilm_tokenizer, "sst2")

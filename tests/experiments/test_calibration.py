@@ -30,3 +30,19 @@ def test_unknown_datasets_and_methods_are_errors(tmp_path, shared_data):
 def test_epochs_is_checked(tmp_path, shared_data, name, epochs, message):
     with pytest.raises(ValueError, match=f"--epochs:? .*{message}"):
         run_experiment(name, data_dir=shared_data, out=tmp_path, quick=True, epochs=epochs)
+
+
+def test_a_causal_lm_run_takes_only_the_tasks_it_learns(tmp_path, shared_data):
+    # Refused before any model is loaded: the directory need not hold one.
+    with pytest.raises(
+        ValueError, match=r"--datasets: \['boolq'\] are not among \['sst2', 'imdb', 'arc_easy_text"
+    ):
+        run_experiment(
+            "calibration",
+            data_dir=shared_data,
+            out=tmp_path,
+            model=str(tmp_path),
+            datasets=["boolq"],
+        )
+    with pytest.raises(FileNotFoundError, match="--model: .* or smollm2"):
+        run_experiment("calibration", data_dir=shared_data, out=tmp_path, model=tmp_path / "none")

@@ -1,6 +1,5 @@
-"""The SmolLM2 learnability experiment: its frozen prefix is exact, its held-out split is
-disjoint, its methods are scored at the fine-tune (the --quick run is in
-validation/experiments)."""
+"""The SmolLM2 learnability experiment: its held-out split is disjoint, its methods are
+scored at the fine-tune (the --quick run is in validation/experiments)."""
 
 import math
 from types import SimpleNamespace
@@ -10,12 +9,11 @@ import torch
 from tiny_models import tiny_llama
 
 from experiments import main, run_experiment
+from experiments.causal_lm import FrozenPrefix, hidden_loader
 from experiments.llm_learnability import (
     FULL,
     METHODS,
-    FrozenPrefix,
     _compare,
-    _loader,
     _map_probabilities,
     _score,
     _sizes,
@@ -25,27 +23,6 @@ from pyro_bdl.data import load
 from pyro_bdl.inference.baselines import map_estimate
 from pyro_bdl.models import lora_model
 from pyro_bdl.priors import IIDNormal
-
-
-def test_the_cut_model_fed_the_prefix_computes_what_the_whole_model_does():
-    # Left-padded prompts of different lengths: positions come from the attention mask.
-    model = tiny_llama(0, torch.float64, vocab_size=23).eval()
-    model.config.num_hidden_layers = 2
-    input_ids = torch.randint(3, 23, (3, 7), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(input_ids)
-    mask[0, :3] = 0
-    mask[1, :1] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    inputs = {"attention_mask": mask, "position_ids": positions, "use_cache": False}
-    with torch.no_grad():
-        whole = model(input_ids=input_ids, **inputs).logits
-        prefix = FrozenPrefix(model, top_layers=1)
-        assert len(model.model.layers) == 1 and model.config.num_hidden_layers == 1
-        cut = model(inputs_embeds=prefix.hidden(input_ids, mask), **inputs).logits
-    real = mask.bool()  # padded positions are never read
-    torch.testing.assert_close(cut[real], whole[real], rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="top_layers must be in"):
-        FrozenPrefix(tiny_llama(0, torch.float64, vocab_size=23), top_layers=2)
 
 
 @pytest.mark.parametrize("dataset", ["sst2", "imdb"])
@@ -76,7 +53,9 @@ def test_the_methods_are_scored_at_the_fine_tune():
     lora = lora_model(model, "multiple_choice", label_token_ids=[3, 4])
     initial = lora.net.init_values()
     lora.train()
-    predictor = map_estimate(lora.model, _loader(train, 4, seed=0), 12, num_steps=3, progress=False)
+    predictor = map_estimate(
+        lora.model, hidden_loader(train, 4, seed=0), 12, num_steps=3, progress=False
+    )
     lora.eval()  # the module keeps its initial adapters: the predictor's are scored
     methods = _compare(
         lora, predictor, train, validation, test, {"batch_size": 4, "marglik_steps": 5}

