@@ -59,7 +59,6 @@ from pyro_bdl.data.tokenize import (
 )
 from pyro_bdl.models import BayesianNet, ChoiceTexts, LoRAModel, lora_model
 from pyro_bdl.models.heads import IGNORE_INDEX
-from pyro_bdl.priors import IIDNormal
 
 __all__ = [
     "Prompting",
@@ -209,8 +208,8 @@ def causal_lora(
             **options,
         )
     lora = lora_model(model, "causal_lm", tokenizer=tokenizer, **options)
-    prior = options.get("prior") or IIDNormal(options.get("prior_scale", 0.2))
-    net = bdl.lift(ChoiceTexts(lora.peft_model), prior, random="lora_")
+    # the same adapters and prior, lifted around the scorer of the choices
+    net = bdl.lift(ChoiceTexts(lora.peft_model), lora.net.prior, random="lora_")
     return LoRAModel(BayesianNet(net), lora.peft_model, tokenizer, "multiple_choice")
 
 
