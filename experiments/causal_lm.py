@@ -69,7 +69,7 @@ __all__ = [
     "CausalTask",
     "CausalNetwork",
     "causal_tokenizer",
-    "label_ids",
+    "load_causal_lm",
     "hidden_items",
     "collate_hidden",
     "hidden_loader",
@@ -94,6 +94,14 @@ class Prompting:
     template: str | None = None
     options: dict = field(default_factory=dict)
     scoring: str = "answer_tokens"
+
+    def label_token_ids(self, tokenizer, record: dict) -> list[int] | None:
+        """The token id of each answer label (:data:`LABELS` or the letters of
+        ``record``'s choices); None for the choice texts, which have no answer tokens."""
+        if self.scoring == "choice_text":
+            return None
+        labels = LABELS.get(self.dataset) or answer_labels(record, self.dataset)
+        return answer_token_ids(tokenizer, labels)
 
     def collator(self, tokenizer, max_length: int):
         """The collator of this task's records."""
@@ -179,17 +187,12 @@ def causal_tokenizer(base: str | os.PathLike):
     return AutoTokenizer.from_pretrained(base)
 
 
-def _causal_lm(base: str | os.PathLike):
+def load_causal_lm(base: str | os.PathLike):
+    """The local causal LM ``base``, in eval mode, loaded without transformers' report."""
     from transformers import AutoModelForCausalLM
 
     with quiet():
         return AutoModelForCausalLM.from_pretrained(base).eval()
-
-
-def label_ids(tokenizer, dataset: str, record: dict) -> list[int]:
-    """The token id of each answer label of ``dataset`` (:data:`LABELS` or the letters)."""
-    labels = LABELS.get(dataset) or answer_labels(record, dataset)
-    return answer_token_ids(tokenizer, labels)
 
 
 def causal_lora(
@@ -338,11 +341,10 @@ class CausalTask(Task):
         self.base, self.top_layers = Path(base), top_layers
         self.prompting = PROMPTS[spec.dataset]
         super().__init__(spec, data_dir, causal_tokenizer(base))
-        self.label_token_ids = None
-        if self.prompting.scoring == "answer_tokens":
-            self.label_token_ids = label_ids(self.tokenizer, self.prompting.dataset, self.train[0])
+        self.label_token_ids = self.prompting.label_token_ids(self.tokenizer, self.train[0])
+        if self.label_token_ids is not None:
             self.num_classes = len(self.label_token_ids)
-        model = _causal_lm(base)
+        model = load_causal_lm(base)
         #: the whole model's class logits of two training prompts: each network checks its cut
         self.reference = whole_model_logits(
             model, self.collate, [self.train[0], self.train[1]], self.label_token_ids
@@ -400,7 +402,7 @@ class CausalNetwork(Network):
     def __init__(self, task: CausalTask, seed: int, device: str | torch.device = "cpu"):
         torch.manual_seed(seed)
         self.device = torch.device(device)
-        base = _causal_lm(task.base)
+        base = load_causal_lm(task.base)
         FrozenPrefix(base, task.top_layers)
         with quiet():
             self.lora = causal_lora(

@@ -82,7 +82,7 @@ from experiments.causal_lm import (
     check_cut,
     hidden_items,
     hidden_loader,
-    label_ids,
+    load_causal_lm,
     whole_model_logits,
 )
 from experiments.runner import Experiment, markdown_table
@@ -175,19 +175,14 @@ def _split(experiment: Experiment, dataset: str, sizes: dict, seed: int):
 
 
 def _task(experiment: Experiment, dataset: str, sizes: dict, seed: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
     from pyro_bdl.models.smollm2 import smollm2_directory
 
     prompting = PROMPTS[dataset]
     train, validation, test = _split(experiment, dataset, sizes, seed)
     tokenizer = causal_tokenizer(smollm2_directory())
-    ids = None
-    if prompting.scoring == "answer_tokens":
-        ids = label_ids(tokenizer, prompting.dataset, train[0])
+    ids = prompting.label_token_ids(tokenizer, train[0])
     torch.manual_seed(seed)
-    full = AutoModelForCausalLM.from_pretrained(smollm2_directory())
-    full.eval()
+    full = load_causal_lm(smollm2_directory())
     collate = prompting.collator(tokenizer, sizes["max_length"])
     # Check the cut on the whole model first (a reference before it is cut).
     reference = whole_model_logits(full, collate, train[:2], ids)
