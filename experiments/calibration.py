@@ -97,6 +97,7 @@ from pathlib import Path
 
 import pyro
 import torch
+from safetensors.torch import load_file
 
 from experiments.causal_lm import CausalNetwork, CausalTask
 from experiments.lora_finetune import (
@@ -364,7 +365,7 @@ class _Fits:
 
     def map(self, seed: int) -> dict[str, torch.Tensor]:
         return checkpoint(
-            self.directory / f"seed{seed}" / "map.pt",
+            self.directory / f"seed{seed}" / "map.safetensors",
             lambda: fine_tune_map(self.network(seed), self.task, seed),
             self.device,
         )
@@ -372,7 +373,7 @@ class _Fits:
     def ensemble(self, seed: int) -> list[dict[str, torch.Tensor]]:
         """The MLE fine-tunes of the ensemble (member 0 is the MLE row)."""
         count = self.settings["ensemble_members"]
-        paths = [self.directory / f"seed{seed}" / f"ens{k}.pt" for k in range(count)]
+        paths = [self.directory / f"seed{seed}" / f"ens{k}.safetensors" for k in range(count)]
         if not all(path.exists() for path in paths):
             network = self.network(seed).train()
             predictor = baselines.deep_ensemble(
@@ -387,7 +388,7 @@ class _Fits:
             )
             for path, member in zip(paths, predictor.members, strict=True):
                 checkpoint(path, lambda member=member: _first(member.samples))
-        return [torch.load(path, map_location=self.device, weights_only=True) for path in paths]
+        return [load_file(path, device=str(self.device)) for path in paths]
 
 
 def _first(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
