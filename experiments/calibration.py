@@ -129,6 +129,7 @@ from experiments.lora_finetune import (
 from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import BLoBGuide, IVONGuide, baselines, fit_blob, fit_ivon
 from pyro_bdl.inference.vi.blob_svi import warmup_schedule
+from pyro_bdl.metrics import selective_accuracy
 from pyro_bdl.models import DictLogits
 from pyro_bdl.plots import reliability_diagram
 from pyro_bdl.priors import IIDNormal
@@ -673,6 +674,20 @@ _METHODS = {
 # -- results, tables and figures ---------------------------------------------------------
 
 _METRICS = ("accuracy", "ece", "nll", "brier")
+#: Selective prediction: the accuracy on the most confident 80 % of the test examples.
+SELECTIVE_COVERAGE = 0.8
+_TEST_METRICS = (*_METRICS, "selective_accuracy")
+
+
+def _test_scores(result: dict) -> dict[str, float]:
+    """A row's test metrics, with its selective accuracy from its stored probabilities."""
+    scores = dict(result["metrics"])
+    if "probs" in result:
+        probs, labels = torch.as_tensor(result["probs"]), torch.as_tensor(result["labels"])
+        scores["selective_accuracy"] = selective_accuracy(probs, labels, SELECTIVE_COVERAGE)
+    return scores
+
+
 _EXTRAS = ("laplace", "blob", "ivon", "skipped", "temperature")
 
 
@@ -682,11 +697,12 @@ def _summaries(cells: dict, extras: dict) -> dict:
     for dataset, rows in cells.items():
         metrics[dataset] = {}
         for row, per_seed in rows.items():
-            seeds = sorted(per_seed)
+            scores = {s: _test_scores(per_seed[s]) for s in sorted(per_seed)}
+            names = [name for name in _TEST_METRICS if all(name in v for v in scores.values())]
             metrics[dataset][row] = {
-                name: mean_sd([per_seed[s]["metrics"][name] for s in seeds]) for name in _METRICS
+                name: mean_sd([value[name] for value in scores.values()]) for name in names
             }
-            metrics[dataset][row]["per_seed"] = {s: per_seed[s]["metrics"] for s in seeds}
+            metrics[dataset][row]["per_seed"] = scores
     for dataset, methods in extras.items():
         for method, per_seed in methods.items():
             times.setdefault(dataset, {})[method] = {
@@ -722,15 +738,27 @@ def _tables(results: dict, datasets: list[str], experiment: Experiment) -> str:
     metrics = results["metrics"]
     rows = list(dict.fromkeys(row for dataset in datasets for row in metrics[dataset]))
     parts = [_caption(datasets, experiment)]
-    for name, title in (("accuracy", "Accuracy ↑"), ("ece", "ECE ↓"), ("nll", "NLL ↓")):
+    titles = (
+        ("accuracy", "Accuracy ↑"),
+        ("ece", "ECE ↓"),
+        ("nll", "NLL ↓"),
+        ("selective_accuracy", f"Accuracy at {SELECTIVE_COVERAGE:.0%} coverage ↑"),
+    )
+    for name, title in titles:
         table = [
-            {"method": row, **{d: metrics[d][row][name] for d in datasets if row in metrics[d]}}
+            {
+                "method": row,
+                **{d: metrics[d][row][name] for d in datasets if name in metrics[d].get(row, {})},
+            }
             for row in rows
         ]
         parts.append(f"### {title}\n\n" + markdown_table(table, ["method", *datasets]))
     verdicts = _verdicts(metrics, datasets)
     if verdicts:
-        parts.append("### Against MAP (test NLL and ECE, means over seeds)\n\n" + verdicts)
+        parts.append(
+            "### Against MAP and MAP + temperature scaling (test NLL and ECE, means over "
+            "seeds)\n\n" + verdicts
+        )
     gap = [
         {"dataset": d, "split": split, **results["map_train_test"][d][split]}
         for d in datasets
@@ -817,22 +845,24 @@ def _caption(datasets: list[str], experiment: Experiment) -> str:
 
 
 def _verdicts(metrics: dict, datasets: list[str]) -> str:
-    """Per dataset, the Bayesian rows that beat MAP on both NLL and ECE, and those that do not."""
+    """Per dataset, the rows that beat MAP, and temperature-scaled MAP, on both NLL and ECE
+    (and those that do not)."""
     lines = []
     for d in datasets:
-        if "MAP" not in metrics[d]:
-            continue
-        best = metrics[d]["MAP"]
-        better, not_better = [], []
-        for row, summary in metrics[d].items():
-            if row in ("MAP", "MLE"):
+        for baseline in ("MAP", "MAP+TS"):
+            if baseline not in metrics[d]:
                 continue
-            wins = [summary[name]["mean"] < best[name]["mean"] for name in ("nll", "ece")]
-            (better if all(wins) else not_better).append(row)
-        lines.append(
-            f"- {d}: below MAP in NLL and ECE: {', '.join(better) or 'none'}; "
-            f"not: {', '.join(not_better) or 'none'}"
-        )
+            best = metrics[d][baseline]
+            better, not_better = [], []
+            for row, summary in metrics[d].items():
+                if row in ("MAP", "MLE", baseline):
+                    continue
+                wins = [summary[name]["mean"] < best[name]["mean"] for name in ("nll", "ece")]
+                (better if all(wins) else not_better).append(row)
+            lines.append(
+                f"- {d}: below {baseline} in NLL and ECE: {', '.join(better) or 'none'}; "
+                f"not: {', '.join(not_better) or 'none'}"
+            )
     return "\n".join(lines)
 
 
