@@ -759,6 +759,13 @@ def _tables(results: dict, datasets: list[str], experiment: Experiment) -> str:
             "### Against MAP and MAP + temperature scaling (test NLL and ECE, means over "
             "seeds)\n\n" + verdicts
         )
+    parts.append(
+        "### Cost: fine-tuning epochs (wall time of the method's own cells, mean over seeds)\n\n"
+        "A fine-tune shared by several rows is timed in the cell that made it: MLE's makes "
+        "the ensemble's members, MAP's the checkpoint that MAP+TS, LA and SGHMC start from; "
+        "Laplace adds a pass over the training data (one backward pass per class).\n\n"
+        + _costs(results, datasets, experiment)
+    )
     gap = [
         {"dataset": d, "split": split, **results["map_train_test"][d][split]}
         for d in datasets
@@ -842,6 +849,38 @@ def _caption(datasets: list[str], experiment: Experiment) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def _fine_tunes(settings: dict) -> dict[str, float]:
+    """How many of the recipe's fine-tunes each method's row rests on, shared ones included:
+    the ensemble's members, IVON's one per candidate (prior, temperature), SGHMC's chains
+    (each ``sghmc_fraction`` of a fine-tune) after the MAP."""
+    single = ("MLE", "MAP", "MAP+TS", "MCD", "BBB", "BLoB", "LA", "LLLA", "LA-torch")
+    return {
+        **dict.fromkeys(single, 1.0),
+        "ENS": float(settings["ensemble_members"]),
+        "IVON": float(len(settings["ivon_choices"])),
+        "SGHMC": 1.0 + settings["sghmc_chains"] * settings["sghmc_fraction"],
+    }
+
+
+def _costs(results: dict, datasets: list[str], experiment: Experiment) -> str:
+    """Each method's cost: fine-tuning epochs, and the measured wall time of its cells."""
+    fine_tunes = _fine_tunes(experiment.settings["methods"])
+    sizes = experiment.settings["sizes"]
+    rows = []
+    for method in METHODS:
+        row = {"method": method}
+        for d in datasets:
+            times = results["cell_time_s"].get(d, {}).get(method)
+            if times is None or method in results["skipped"].get(d, {}):
+                continue
+            epochs = sizes[d]["steps"] * sizes[d]["batch_size"] / sizes[d]["train"]
+            minutes = sum(t["wall"] for t in times.values()) / len(times) / 60
+            row[d] = f"{fine_tunes[method] * epochs:.3g} ({minutes:.1f} min)"
+        if len(row) > 1:
+            rows.append(row)
+    return markdown_table(rows, ["method", *datasets])
 
 
 def _verdicts(metrics: dict, datasets: list[str]) -> str:
