@@ -505,16 +505,18 @@ class Linearization:
             jacobians._separable = self._learn_separable(calls, columns, per_call, keep_graph)
         return per_call, references
 
-    def _columns_backward(self, calls, leaves, columns, keep_graph):
-        """:meth:`_backward` by one backward pass per column (vmapped where possible)."""
+    def _columns_backward(self, calls, leaves, columns, keep_graph, output=None):
+        """:meth:`_backward` by one backward pass per column (vmapped where possible), of
+        ``output`` (by default the differentiated output)."""
         jacobians = self._jacobians
+        output = self.output if output is None else output
         targets = [call.output for call in calls] + [jacobians.values[s] for s in leaves]
         if jacobians._batched_backward is not False:
             try:
                 with warnings.catch_warnings():  # a batching rule looped over the columns
                     warnings.filterwarnings("ignore", "There is a performance drop")
                     grads = torch.autograd.grad(
-                        self.output,
+                        output,
                         targets,
                         columns,
                         # a first try that fails needs the graph for the fallback
@@ -535,7 +537,7 @@ class Linearization:
         per_column = []
         for c in range(len(columns)):
             grads = torch.autograd.grad(
-                self.output,
+                output,
                 targets if c == 0 else targets[: len(calls)],
                 columns[c],
                 retain_graph=keep_graph or c < len(columns) - 1,
@@ -574,17 +576,10 @@ class Linearization:
         count = returned[0].numel()
         unit = torch.eye(count, dtype=returned.dtype, device=returned.device)
         unit = unit.reshape(count, 1, *returned.shape[1:]).expand(count, *returned.shape)
-        probes = torch.autograd.grad(
-            returned,
-            [call.output for call in calls],
-            unit,
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=True,
-        )
+        probes, _ = self._columns_backward(calls, [], unit, keep_graph=True, output=returned)
         entries = []
         for probe in probes:
-            touched = [] if probe is None else [k for k in range(count) if probe[k].ne(0).any()]
+            touched = [k for k in range(count) if probe[k].ne(0).any()]
             if len(touched) != 1:  # none: it may feed any entry on another batch
                 return False
             entries.append(touched[0])
@@ -600,7 +595,7 @@ class Linearization:
         When call :math:`k` feeds entry :math:`e_k` of the model's return value :math:`r`
         alone, column :math:`v_c`'s gradient at its output is
         :math:`w_{c,i,e_k}\,\partial r_{i,e_k} / \partial s_k` for example :math:`i`, with
-        :math:`w_c = (\partial f / \partial r)^	op v_c` pulled back through what lies
+        :math:`w_c = (\partial f / \partial r)^\top v_c` pulled back through what lies
         between :math:`r` and the differentiated output :math:`f` (a categorical
         likelihood's normalisation of the logits); one backward pass of the all-ones
         cotangent gives every :math:`\partial r_{i,e_k} / \partial s_k`. For
@@ -611,9 +606,16 @@ class Linearization:
         if returned is self.output:
             weights = columns
         else:
-            (weights,) = torch.autograd.grad(
-                self.output, returned, columns, retain_graph=True, is_grads_batched=True
-            )
+            try:
+                (weights,) = torch.autograd.grad(
+                    self.output, returned, columns, retain_graph=True, is_grads_batched=True
+                )
+            except RuntimeError:  # no batching rule: a pass per column, from f back to r only
+                pulled = [
+                    torch.autograd.grad(self.output, returned, c, retain_graph=True)
+                    for c in columns
+                ]
+                weights = torch.stack([grad for (grad,) in pulled])
         grads = torch.autograd.grad(
             returned,
             [call.output for call in calls],
