@@ -97,6 +97,7 @@ from pathlib import Path
 
 import pyro
 import torch
+from safetensors.torch import load_file
 
 from experiments.causal_lm import CausalNetwork, CausalTask
 from experiments.lora_finetune import (
@@ -128,6 +129,7 @@ from experiments.lora_finetune import (
 from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import BLoBGuide, IVONGuide, baselines, fit_blob, fit_ivon
 from pyro_bdl.inference.vi.blob_svi import warmup_schedule
+from pyro_bdl.metrics import selective_accuracy
 from pyro_bdl.models import DictLogits
 from pyro_bdl.plots import reliability_diagram
 from pyro_bdl.priors import IIDNormal
@@ -364,7 +366,7 @@ class _Fits:
 
     def map(self, seed: int) -> dict[str, torch.Tensor]:
         return checkpoint(
-            self.directory / f"seed{seed}" / "map.pt",
+            self.directory / f"seed{seed}" / "map.safetensors",
             lambda: fine_tune_map(self.network(seed), self.task, seed),
             self.device,
         )
@@ -372,7 +374,7 @@ class _Fits:
     def ensemble(self, seed: int) -> list[dict[str, torch.Tensor]]:
         """The MLE fine-tunes of the ensemble (member 0 is the MLE row)."""
         count = self.settings["ensemble_members"]
-        paths = [self.directory / f"seed{seed}" / f"ens{k}.pt" for k in range(count)]
+        paths = [self.directory / f"seed{seed}" / f"ens{k}.safetensors" for k in range(count)]
         if not all(path.exists() for path in paths):
             network = self.network(seed).train()
             predictor = baselines.deep_ensemble(
@@ -387,7 +389,7 @@ class _Fits:
             )
             for path, member in zip(paths, predictor.members, strict=True):
                 checkpoint(path, lambda member=member: _first(member.samples))
-        return [torch.load(path, map_location=self.device, weights_only=True) for path in paths]
+        return [load_file(path, device=str(self.device)) for path in paths]
 
 
 def _first(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -672,6 +674,20 @@ _METHODS = {
 # -- results, tables and figures ---------------------------------------------------------
 
 _METRICS = ("accuracy", "ece", "nll", "brier")
+#: Selective prediction: the accuracy on the most confident 80 % of the test examples.
+SELECTIVE_COVERAGE = 0.8
+_TEST_METRICS = (*_METRICS, "selective_accuracy")
+
+
+def _test_scores(result: dict) -> dict[str, float]:
+    """A row's test metrics, with its selective accuracy from its stored probabilities."""
+    scores = dict(result["metrics"])
+    if "probs" in result:
+        probs, labels = torch.as_tensor(result["probs"]), torch.as_tensor(result["labels"])
+        scores["selective_accuracy"] = selective_accuracy(probs, labels, SELECTIVE_COVERAGE)
+    return scores
+
+
 _EXTRAS = ("laplace", "blob", "ivon", "skipped", "temperature")
 
 
@@ -681,11 +697,12 @@ def _summaries(cells: dict, extras: dict) -> dict:
     for dataset, rows in cells.items():
         metrics[dataset] = {}
         for row, per_seed in rows.items():
-            seeds = sorted(per_seed)
+            scores = {s: _test_scores(per_seed[s]) for s in sorted(per_seed)}
+            names = [name for name in _TEST_METRICS if all(name in v for v in scores.values())]
             metrics[dataset][row] = {
-                name: mean_sd([per_seed[s]["metrics"][name] for s in seeds]) for name in _METRICS
+                name: mean_sd([value[name] for value in scores.values()]) for name in names
             }
-            metrics[dataset][row]["per_seed"] = {s: per_seed[s]["metrics"] for s in seeds}
+            metrics[dataset][row]["per_seed"] = scores
     for dataset, methods in extras.items():
         for method, per_seed in methods.items():
             times.setdefault(dataset, {})[method] = {
@@ -721,15 +738,34 @@ def _tables(results: dict, datasets: list[str], experiment: Experiment) -> str:
     metrics = results["metrics"]
     rows = list(dict.fromkeys(row for dataset in datasets for row in metrics[dataset]))
     parts = [_caption(datasets, experiment)]
-    for name, title in (("accuracy", "Accuracy ↑"), ("ece", "ECE ↓"), ("nll", "NLL ↓")):
+    titles = (
+        ("accuracy", "Accuracy ↑"),
+        ("ece", "ECE ↓"),
+        ("nll", "NLL ↓"),
+        ("selective_accuracy", f"Accuracy at {SELECTIVE_COVERAGE:.0%} coverage ↑"),
+    )
+    for name, title in titles:
         table = [
-            {"method": row, **{d: metrics[d][row][name] for d in datasets if row in metrics[d]}}
+            {
+                "method": row,
+                **{d: metrics[d][row][name] for d in datasets if name in metrics[d].get(row, {})},
+            }
             for row in rows
         ]
         parts.append(f"### {title}\n\n" + markdown_table(table, ["method", *datasets]))
     verdicts = _verdicts(metrics, datasets)
     if verdicts:
-        parts.append("### Against MAP (test NLL and ECE, means over seeds)\n\n" + verdicts)
+        parts.append(
+            "### Against MAP and MAP + temperature scaling (test NLL and ECE, means over "
+            "seeds)\n\n" + verdicts
+        )
+    parts.append(
+        "### Cost: fine-tuning epochs (wall time of the method's own cells, mean over seeds)\n\n"
+        "A fine-tune shared by several rows is timed in the cell that made it: MLE's makes "
+        "the ensemble's members, MAP's the checkpoint that MAP+TS, LA and SGHMC start from; "
+        "Laplace adds a pass over the training data (one backward pass per class).\n\n"
+        + _costs(results, datasets, experiment)
+    )
     gap = [
         {"dataset": d, "split": split, **results["map_train_test"][d][split]}
         for d in datasets
@@ -815,23 +851,57 @@ def _caption(datasets: list[str], experiment: Experiment) -> str:
     return "\n".join(lines)
 
 
+def _fine_tunes(settings: dict) -> dict[str, float]:
+    """How many of the recipe's fine-tunes each method's row rests on, shared ones included:
+    the ensemble's members, IVON's one per candidate (prior, temperature), SGHMC's chains
+    (each ``sghmc_fraction`` of a fine-tune) after the MAP."""
+    single = ("MLE", "MAP", "MAP+TS", "MCD", "BBB", "BLoB", "LA", "LLLA", "LA-torch")
+    return {
+        **dict.fromkeys(single, 1.0),
+        "ENS": float(settings["ensemble_members"]),
+        "IVON": float(len(settings["ivon_choices"])),
+        "SGHMC": 1.0 + settings["sghmc_chains"] * settings["sghmc_fraction"],
+    }
+
+
+def _costs(results: dict, datasets: list[str], experiment: Experiment) -> str:
+    """Each method's cost: fine-tuning epochs, and the measured wall time of its cells."""
+    fine_tunes = _fine_tunes(experiment.settings["methods"])
+    sizes = experiment.settings["sizes"]
+    rows = []
+    for method in METHODS:
+        row = {"method": method}
+        for d in datasets:
+            times = results["cell_time_s"].get(d, {}).get(method)
+            if times is None or method in results["skipped"].get(d, {}):
+                continue
+            epochs = sizes[d]["steps"] * sizes[d]["batch_size"] / sizes[d]["train"]
+            minutes = sum(t["wall"] for t in times.values()) / len(times) / 60
+            row[d] = f"{fine_tunes[method] * epochs:.3g} ({minutes:.1f} min)"
+        if len(row) > 1:
+            rows.append(row)
+    return markdown_table(rows, ["method", *datasets])
+
+
 def _verdicts(metrics: dict, datasets: list[str]) -> str:
-    """Per dataset, the Bayesian rows that beat MAP on both NLL and ECE, and those that do not."""
+    """Per dataset, the rows that beat MAP, and temperature-scaled MAP, on both NLL and ECE
+    (and those that do not)."""
     lines = []
     for d in datasets:
-        if "MAP" not in metrics[d]:
-            continue
-        best = metrics[d]["MAP"]
-        better, not_better = [], []
-        for row, summary in metrics[d].items():
-            if row in ("MAP", "MLE"):
+        for baseline in ("MAP", "MAP+TS"):
+            if baseline not in metrics[d]:
                 continue
-            wins = [summary[name]["mean"] < best[name]["mean"] for name in ("nll", "ece")]
-            (better if all(wins) else not_better).append(row)
-        lines.append(
-            f"- {d}: below MAP in NLL and ECE: {', '.join(better) or 'none'}; "
-            f"not: {', '.join(not_better) or 'none'}"
-        )
+            best = metrics[d][baseline]
+            better, not_better = [], []
+            for row, summary in metrics[d].items():
+                if row in ("MAP", "MLE", baseline):
+                    continue
+                wins = [summary[name]["mean"] < best[name]["mean"] for name in ("nll", "ece")]
+                (better if all(wins) else not_better).append(row)
+            lines.append(
+                f"- {d}: below {baseline} in NLL and ECE: {', '.join(better) or 'none'}; "
+                f"not: {', '.join(not_better) or 'none'}"
+            )
     return "\n".join(lines)
 
 

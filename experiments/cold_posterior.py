@@ -96,7 +96,7 @@ from pyro.infer.autoguide.initialization import init_to_value
 from torch.utils.data import DataLoader
 from tqdm.auto import trange
 
-from experiments.lora_finetune import single_thread
+from experiments.lora_finetune import checkpoint, single_thread
 from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.data import WordCollator, WordVocabulary, load, make_loader
 from pyro_bdl.diagnostics import function_space
@@ -342,20 +342,20 @@ class _Runner:
         It is where Laplace, VI and the serial SGHMC chain of the seed start, and each
         parallel chain's starting point (seeds 1000, 1001, ...).
         """
-        path = self.checkpoints / f"{'mle' if mle else 'map'}_seed{seed}.pt"
-        if path.exists():
-            return torch.load(path, map_location=self.experiment.device, weights_only=True)
-        pyro.clear_param_store()
-        values = fit_map(
-            self.model(seed),
-            *self.train_args(seed),
-            num_steps=self.settings["epochs"] * self.steps_per_epoch,
-            optimizer=pyro.optim.AdamW({"lr": self.settings["learning_rate"]}),
-            mle=mle,
-            progress=self.progress,
-        )
-        torch.save({name: value.cpu() for name, value in values.items()}, path)
-        return values
+        path = self.checkpoints / f"{'mle' if mle else 'map'}_seed{seed}.safetensors"
+
+        def fit() -> dict[str, torch.Tensor]:
+            pyro.clear_param_store()
+            return fit_map(
+                self.model(seed),
+                *self.train_args(seed),
+                num_steps=self.settings["epochs"] * self.steps_per_epoch,
+                optimizer=pyro.optim.AdamW({"lr": self.settings["learning_rate"]}),
+                mle=mle,
+                progress=self.progress,
+            )
+
+        return checkpoint(path, fit, self.experiment.device)
 
     def point_estimate(self, method: str, seed: int) -> dict:
         model = self.model(seed)

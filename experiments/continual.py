@@ -82,10 +82,11 @@ import torch
 from matplotlib.figure import Figure
 from pyro import poutine
 from pyro.infer.autoguide.initialization import init_to_value
+from safetensors.torch import load_file, save_file
 from torch.utils.data import ConcatDataset
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from experiments.lora_finetune import single_thread
+from experiments.lora_finetune import checkpoint, single_thread
 from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.data import CausalLMCollator, TokenWindows, load, make_loader
 from pyro_bdl.inference import LaplaceGuide, fit_map
@@ -296,40 +297,39 @@ class _Runner:
 
     def base(self) -> dict[str, torch.Tensor]:
         """The network pretrained on the base corpus, where every method starts (cached)."""
-        path = self.checkpoints / "base.pt"
-        if path.exists():
-            return torch.load(path, map_location=self.experiment.device, weights_only=True)
-        pyro.clear_param_store()
-        pyro.set_rng_seed(0)
-        loader = make_loader(
-            self.books.base, self.books.collate, self.settings["batch_size"], shuffle=True
-        )
-        values = fit_map(
-            self.model(),
-            loader,
-            len(self.books.base),
-            num_steps=self.settings["base_steps"],
-            optimizer=pyro.optim.AdamW({"lr": self.settings["base_learning_rate"]}),
-            mle=True,
-            progress=self.progress,
-        )
-        torch.save(values, path)
-        return values
+
+        def pretrain() -> dict[str, torch.Tensor]:
+            pyro.clear_param_store()
+            pyro.set_rng_seed(0)
+            loader = make_loader(
+                self.books.base, self.books.collate, self.settings["batch_size"], shuffle=True
+            )
+            return fit_map(
+                self.model(),
+                loader,
+                len(self.books.base),
+                num_steps=self.settings["base_steps"],
+                optimizer=pyro.optim.AdamW({"lr": self.settings["base_learning_rate"]}),
+                mle=True,
+                progress=self.progress,
+            )
+
+        return checkpoint(self.checkpoints / "base.safetensors", pretrain, self.experiment.device)
 
     def checkpoint(self, method: str, episode: int, seed: int) -> Path:
-        return self.checkpoints / f"{method}_episode{episode}_seed{seed}.pt"
+        return self.checkpoints / f"{method}_episode{episode}_seed{seed}"
 
     def train_episode(self, method: str, episode: int, seed: int) -> dict:
         """Train episode ``episode`` (from 1) from the previous episode's weights."""
         base = self.base()
-        pyro.clear_param_store()
-        pyro.set_rng_seed(seed)
-        model = self.model()
         # "single" trains the base network on one book (the relative-loss baseline),
         # "offline" the base network on every book so far.
         sequential = method in ("online", "laplace")
         fresh = not sequential or episode == 1
         previous = None if fresh else self.restore(method, episode - 1, seed)
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        model = self.model()
         first = 0 if method == "offline" else episode - 1
         data = ConcatDataset(self.books.train[first:episode])
         start = base if previous is None else previous["values"]
@@ -338,16 +338,10 @@ class _Runner:
         )
         num_steps = self.settings["epochs"] * len(loader)
         optimizer = pyro.optim.AdamW({"lr": self.settings["learning_rate"]})
-        state = {}
         if method == "laplace":
             if previous is not None:
                 model.net.prior = previous["prior"]
-            guide = LaplaceGuide(
-                model,
-                curvature="diag_ef",
-                temperature=self.settings["laplace_temperature"],
-                init_loc_fn=init_to_value(values=start),
-            )
+            guide = self.laplace_guide(model, start)
             # The same AdamW epochs as every method, the Laplace at their endpoint (online
             # Laplace as Ritter et al.), no L-BFGS refinement: with the diagonal empirical
             # Fisher it did not reach the mode in 100 full passes (the quick run: still
@@ -361,7 +355,6 @@ class _Runner:
                 progress=self.progress,
             )
             values = guide.median()
-            state["prior"] = guide.as_prior()
         else:
             values = fit_map(
                 model,
@@ -374,18 +367,46 @@ class _Runner:
                 progress=self.progress,
             )
         if sequential:
-            torch.save({"values": values, **state}, self.checkpoint(method, episode, seed))
+            self.save_episode(method, episode, seed, values, guide if method == "laplace" else None)
         return {"test_loss": self.test_losses(model, values), "train_windows": len(data)}
 
+    def save_episode(self, method, episode, seed, values, guide: LaplaceGuide | None) -> None:
+        """The episode's weights and, for Laplace, its fitted guide's whole state (the next
+        episode's prior), as safetensors. (Its cell is written after them, so a cached
+        episode always has them whole.)"""
+        directory = self.checkpoint(method, episode, seed)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(_on_cpu(values), directory / "values.safetensors")
+        if guide is not None:
+            save_file(_on_cpu(guide.state_dict()), directory / "laplace.safetensors")
+
     def restore(self, method: str, episode: int, seed: int) -> dict:
-        path = self.checkpoint(method, episode, seed)
-        if not path.exists():
+        """What :meth:`save_episode` kept: ``values``, and for Laplace the ``prior`` its
+        guide makes (:meth:`~pyro_bdl.inference.LaplaceGuide.as_prior`)."""
+        directory = self.checkpoint(method, episode, seed)
+        values, laplace = directory / "values.safetensors", directory / "laplace.safetensors"
+        if not values.exists():
             raise FileNotFoundError(
-                f"{path} is missing but episode {episode} of {method} (seed {seed}) is cached; "
-                f"delete {self.experiment.out / 'cells'} entries of {method} to recompute them"
+                f"{values} is missing but episode {episode} of {method} (seed {seed}) is "
+                f"cached; delete {self.experiment.out / 'cells'} entries of {method} to "
+                "recompute them"
             )
-        # The Laplace prior is a plain Python object (LaplacePrior), not only tensors.
-        return torch.load(path, map_location=self.experiment.device, weights_only=False)
+        device = str(self.experiment.device)
+        restored = {"values": load_file(values, device=device)}
+        if laplace.exists():
+            guide = self.laplace_guide(self.model(), restored["values"])
+            guide.load_state_dict(load_file(laplace, device=device))
+            restored["prior"] = guide.as_prior()
+        return restored
+
+    def laplace_guide(self, model: BayesianNet, start: Mapping[str, torch.Tensor]) -> LaplaceGuide:
+        """The Laplace method's guide: the diagonal empirical Fisher at the tempered posterior."""
+        return LaplaceGuide(
+            model,
+            curvature="diag_ef",
+            temperature=self.settings["laplace_temperature"],
+            init_loc_fn=init_to_value(values=start),
+        )
 
     def test_losses(self, model: BayesianNet, values: Mapping[str, torch.Tensor]) -> dict:
         """Mean negative log likelihood per token of every book's held-out text."""
@@ -511,3 +532,7 @@ if __name__ == "__main__":  # python -m experiments.continual [options]
     from experiments import main
 
     main(name="continual")
+
+
+def _on_cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value.detach().cpu().clone() for key, value in tensors.items()}

@@ -729,7 +729,7 @@ class _Cell:
 
     def _sgd(self, learning_rate: float) -> tuple:
         lora = self.data.lora()
-        path = self.checkpoints / f"sgd_lr={learning_rate}.pt"
+        path = self.checkpoints / f"sgd_lr={learning_rate}.safetensors"
         values = checkpoint(
             path,
             lambda: self._chains(lora, 1, self.data.steps, 1, 0.0, learning_rate)[0],

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import pyro
 import torch
+from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
@@ -441,19 +442,23 @@ def checkpoint(
     compute: Callable[[], dict[str, torch.Tensor]],
     device: str | torch.device = "cpu",
 ) -> dict:
-    """Site values saved at ``path`` (a ``.pt`` file), computed once, loaded to ``device``.
+    """Site values saved at ``path`` (a ``.safetensors`` file), computed once, loaded to
+    ``device``.
 
     Fine-tunes are the expensive part of every cell; Laplace, SGHMC, MC dropout and the
-    MLE row reuse them from disk. The file holds CPU tensors, whatever the device.
+    MLE row reuse them from disk. The file holds CPU tensors, whatever the device, as
+    safetensors: nothing read back is unpickled.
     """
     path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"checkpoint: {path} must be a .safetensors file")
     if not path.exists():
-        values = {site: value.detach().cpu() for site, value in compute().items()}
+        values = {site: value.detach().cpu().clone() for site, value in compute().items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".tmp")
-        torch.save(values, partial)
+        save_file(values, partial)
         partial.replace(path)
-    return torch.load(path, map_location=device, weights_only=True)
+    return load_file(path, device=str(device))
 
 
 def fine_tune_map(network: Network, task: Task, seed: int) -> dict[str, torch.Tensor]:

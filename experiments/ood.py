@@ -195,7 +195,7 @@ class _Fits:
         self.map = self.member(0)
 
     def member(self, index: int) -> dict[str, torch.Tensor]:
-        name = "map.pt" if index == 0 else f"map_member{index}.pt"
+        name = "map.safetensors" if index == 0 else f"map_member{index}.safetensors"
         path = self.experiment.out / "checkpoints" / f"seed{self.seed}" / name
         seed, device = self.seed + 1000 * index, self.experiment.device
         return checkpoint(

@@ -15,12 +15,13 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from pyro_bdl._checks import integer
+from pyro_bdl._checks import integer, real
 
 __all__ = [
     "ROW_SUM_ATOL",
@@ -32,6 +33,7 @@ __all__ = [
     "ece",
     "nll",
     "reliability_curve",
+    "selective_accuracy",
     "summarize",
     "uncertainty_decomposition",
 ]
@@ -131,6 +133,36 @@ def brier(probs: ArrayLike, labels: ArrayLike) -> float:
     probs, labels = _validate(probs, labels)
     one_hot = torch.nn.functional.one_hot(labels, probs.shape[-1]).to(probs.dtype)
     return float(((probs - one_hot) ** 2).sum(dim=-1).mean())
+
+
+def selective_accuracy(probs: ArrayLike, labels: ArrayLike, coverage: float = 0.8) -> float:
+    r"""Accuracy on the ``coverage`` fraction of examples predicted most confidently.
+
+    Selective prediction: a predictor that may abstain answers the
+    :math:`\lceil \text{coverage} \cdot n \rceil` examples of highest top-class
+    probability and is scored on those. It rewards uncertainty that ranks the errors
+    last, which NLL and ECE do not measure: with two classes a temperature changes
+    neither the ranking nor this score (with more it can reorder examples whose other
+    classes differ). Ties in confidence keep the examples' order.
+
+    Example::
+
+        probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.2, 0.8], [0.55, 0.45]])
+        selective_accuracy(probs, torch.tensor([0, 1, 1, 0]), coverage=0.5)  # 1.0
+
+    :param probs: class probabilities ``(batch, classes)``.
+    :type probs: torch.Tensor or numpy.ndarray
+    :param labels: integer labels ``(batch,)``.
+    :type labels: torch.Tensor or numpy.ndarray
+    :param float coverage: the fraction of examples answered, in (0, 1].
+    :rtype: float
+    """
+    coverage = real("coverage", coverage, positive=True, high=1.0)
+    probs, labels = _validate(probs, labels)
+    confidence, predicted = probs.max(dim=-1)
+    answered = torch.argsort(confidence, descending=True, stable=True)
+    answered = answered[: math.ceil(coverage * labels.numel() - 1e-9)]
+    return float((predicted[answered] == labels[answered]).double().mean())
 
 
 def reliability_curve(

@@ -36,6 +36,39 @@ def test_brier_by_hand():
     assert metrics.brier(probs, torch.tensor([0, 2])) == pytest.approx(0.46, rel=1e-12)
 
 
+def test_selective_accuracy_by_hand():
+    probs = tensor([[0.9, 0.1], [0.6, 0.4], [0.2, 0.8], [0.55, 0.45], [0.3, 0.7]])
+    labels = torch.tensor([0, 1, 1, 0, 0])
+    # confidences 0.9, 0.6, 0.8, 0.55, 0.7, right, wrong, right, right, wrong
+    assert metrics.selective_accuracy(probs, labels, coverage=0.4) == 1.0  # 0.9, 0.8
+    assert metrics.selective_accuracy(probs, labels, coverage=0.6) == pytest.approx(2 / 3)
+    # ceil(0.5 * 5) = 3 answered: the 0.9, 0.8 and 0.7 rows
+    assert metrics.selective_accuracy(probs, labels, coverage=0.5) == pytest.approx(2 / 3)
+    assert metrics.selective_accuracy(probs, labels, coverage=1.0) == metrics.accuracy(
+        probs, labels
+    )
+
+
+def test_selective_accuracy_of_two_classes_ignores_a_temperature():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(200, 2, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 2, (200,), generator=generator)
+    for coverage in (0.3, 0.8):
+        scores = [
+            metrics.selective_accuracy(torch.softmax(logits / t, -1), labels, coverage)
+            for t in (0.5, 1.0, 3.0)
+        ]
+        assert scores[0] == scores[1] == scores[2]
+    # with four classes it does not: the top probability also depends on the others
+    logits = torch.tensor([[2.0, 0.0, 0.0, 0.0], [2.0, 1.9, -9.0, -9.0]], dtype=torch.float64)
+    labels = torch.tensor([0, 1])
+    assert metrics.selective_accuracy(torch.softmax(logits, -1), labels, 0.5) == 1.0
+    assert metrics.selective_accuracy(torch.softmax(logits / 10, -1), labels, 0.5) == 0.0
+    for coverage in (0.0, 1.5):
+        with pytest.raises(ValueError, match="coverage"):
+            metrics.selective_accuracy(torch.softmax(logits, -1), labels, coverage)
+
+
 def test_reliability_curve_and_ece_by_hand():
     probs = tensor([[0.9, 0.1], [0.1, 0.9], [0.38, 0.62], [0.58, 0.42]])
     labels = torch.tensor([0, 0, 1, 0])

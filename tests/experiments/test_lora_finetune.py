@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from experiments.lora_finetune import (
     Network,
@@ -77,10 +78,13 @@ def test_checkpoint_computes_once(tmp_path):
         calls.append(1)
         return {"w": torch.arange(3.0)}
 
-    path = tmp_path / "fits" / "map.pt"
+    path = tmp_path / "fits" / "map.safetensors"
     assert torch.equal(checkpoint(path, compute)["w"], torch.arange(3.0))
     assert torch.equal(checkpoint(path, compute)["w"], torch.arange(3.0))
     assert len(calls) == 1 and not path.with_suffix(".tmp").exists()
+    assert torch.equal(load_file(path)["w"], torch.arange(3.0))  # safetensors, not a pickle
+    with pytest.raises(ValueError, match=r"map\.pt must be a \.safetensors file"):
+        checkpoint(tmp_path / "map.pt", compute)
 
 
 def test_lora_dropout_switches_only_the_adapters_dropout(shared_data):

@@ -3,8 +3,11 @@
 import pyro
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import pyro_bdl as bdl
+from pyro_bdl.inference import LaplaceGuide
+from pyro_bdl.inference.laplace import jacobians
 from pyro_bdl.models import BayesianNet, ChoiceTexts, lora_model
 from pyro_bdl.priors import IIDNormal
 
@@ -52,3 +55,40 @@ def test_choice_texts_score_each_choice_by_its_tokens_log_probability(request, f
     torch.testing.assert_close(trace.nodes["y"]["log_prob_sum"], 10 / 2 * log_likelihood)
     with pytest.raises(ValueError, match="CausalChoiceTextCollator"):
         model({k: v[:, 0] for k, v in batch.items() if k != "labels"})
+
+
+def test_laplace_takes_one_backward_pass_per_batch_and_equals_a_pass_per_column(
+    tiny_gpt2, monkeypatch
+):
+    # Each choice runs through the LM on its own, so each linear call feeds one choice's
+    # score: the GGN's columns and the predictive's need one backward pass of the scores,
+    # checked on the first batch against one pass per column. (GPT-2, all float64: the
+    # two agree to rounding; Llama's RMSNorm computes in float32.)
+    lora = lora_model(tiny_gpt2(), "causal_lm")
+    net = bdl.lift(ChoiceTexts(lora.peft_model), IIDNormal(0.2), random="lora_")
+    model = BayesianNet(net)
+    batch, _, _ = _choice_batch()
+    trace = pyro.poutine.trace(model).get_trace(batch, 4)
+    generator = torch.Generator().manual_seed(2)
+    values = {  # LoRA's B away from zero, so that every call has a gradient
+        site: 0.05 * torch.randn(trace.nodes[site]["value"].shape, generator=generator).double()
+        for site in net.random_sites
+    }
+
+    def fit(one_pass: bool):
+        monkeypatch.setattr(jacobians, "MAX_SEPARABLE_ENTRIES", 16 if one_pass else 0)
+        guide = LaplaceGuide(model, curvature="kron")
+        loader = DataLoader([batch, batch], batch_size=None)
+        guide.fit(loader, 4, map=values, mode_tolerance=None, progress=False)
+        pyro.set_rng_seed(0)
+        return guide, guide.predictive(batch, 4, link="mc")
+
+    (fast, fast_probs), (slow, slow_probs) = fit(True), fit(False)
+    sites, entries = fast.laplace_fit.jacobians._separable
+    assert entries == sorted(entries) and set(entries) == {0, 1, 2}  # choice by choice
+    assert slow.laplace_fit.jacobians._separable is None
+    for one, other in zip(fast.laplace_fit.blocks, slow.laplace_fit.blocks, strict=True):
+        for name, tensor in one.tensors().items():
+            if name.endswith("eigenvalues"):
+                torch.testing.assert_close(tensor, other.tensors()[name], rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(fast_probs, slow_probs, rtol=0, atol=1e-12)

@@ -100,7 +100,7 @@ def test_epochs_ablation_trains_longer_in_its_own_cells(tmp_path, shared_data):
     assert saved["settings"]["sizes"]["sst2"]["steps"] == 3 * batches
     assert spec.epochs != 3  # so the ablation is another fine-tune, cached apart
     assert (tmp_path / "cells" / "sst2__MAP__0__epochs=3.json").exists()
-    assert (tmp_path / "checkpoints" / "sst2__epochs=3" / "seed0" / "map.pt").exists()
+    assert (tmp_path / "checkpoints" / "sst2__epochs=3" / "seed0" / "map.safetensors").exists()
     assert default_cell.stat().st_mtime_ns == stamp
     before = default["metrics"]["sst2"]["MAP"]["nll"]["mean"]
     assert longer["metrics"]["sst2"]["MAP"]["nll"]["mean"] != before

@@ -48,3 +48,16 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data, report):
     again = run_experiment("continual", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
     assert again["rows"] == rows
     assert [cell.stat().st_mtime_ns for cell in cells] == stamps
+
+    # An interrupted sequence resumes from its checkpoints (safetensors, no pickle): the
+    # later episodes recomputed from the first one's saved weights and Laplace prior give
+    # the same losses.
+    later = [
+        c for c in cells if "episode=2" in c.name and ("laplace" in c.name or "online" in c.name)
+    ]
+    assert later
+    for cell in later:
+        cell.unlink()
+    assert not list(tmp_path.rglob("*.pt"))
+    resumed = run_experiment("continual", data_dir=shared_data, out=tmp_path, quick=True, seeds=[0])
+    assert resumed["rows"] == rows

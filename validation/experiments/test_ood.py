@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from experiments import run_experiment
 from experiments.ood import METHODS, QUICK
@@ -53,8 +54,8 @@ def test_quick_run_writes_results_and_resumes(tmp_path, shared_data, report):
     # the ensemble's members are fine-tunes of their own (initialisation, batch order),
     # the first of them the seed's MAP
     fits = tmp_path / "checkpoints" / "seed0"
-    members = [torch.load(fits / "map.pt")] + [
-        torch.load(fits / f"map_member{i}.pt") for i in range(1, QUICK["chains"])
+    members = [load_file(fits / "map.safetensors")] + [
+        load_file(fits / f"map_member{i}.safetensors") for i in range(1, QUICK["chains"])
     ]
     assert all(
         not torch.equal(members[0][site], other[site]) for other in members[1:] for site in other

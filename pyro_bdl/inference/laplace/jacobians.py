@@ -28,6 +28,11 @@ One forward pass and one backward pass per column give them for a whole batch:
 Before trusting the factored form for a site, the first batch checks that the summed
 per-example gradients equal autograd's gradient of the site; a weight that is also used
 outside ``linear`` or ``embedding`` (tied weights, say) falls back to the dense path.
+
+Where each recorded call feeds one entry of the model's return value (a
+:class:`~pyro_bdl.models.ChoiceTexts`, whose choices run through the LM one at a time),
+one backward pass serves every column: the first batch finds which entry each call
+feeds and checks the result against the passes per column.
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ __all__ = [
     "EmbeddingGradient",
     "DenseGradient",
 ]
+
+
+#: Output entries per example up to which a model is checked for calls that feed one
+#: entry each (:meth:`Linearization._separable_backward`); the check costs one backward
+#: pass per entry, once.
+MAX_SEPARABLE_ENTRIES = 16
 
 
 class SiteGradient:
@@ -364,6 +375,10 @@ class ModelJacobians:
         self.factored_verified: dict[str, bool] = {}
         self._vmap_failed = False
         self._batched_backward: bool | None = None  # whether a vmapped backward works
+        # Which output entry each recorded call feeds, when each feeds one (ChoiceTexts:
+        # a choice's calls feed its score alone): (the calls' sites, the entries), learnt
+        # on the first batch; False for a model whose calls feed several.
+        self._separable: tuple[tuple, list[int]] | bool | None = None
 
     def __call__(self, args: tuple, kwargs: dict, output: str = "observation") -> Linearization:
         """Run the model on one batch, recording what the gradients need.
@@ -385,7 +400,8 @@ class ModelJacobians:
                 "the linearised predictive needs a model that returns its output tensor "
                 f"(logits shaped (batch, classes)), got {type(returned).__name__}"
             )
-        return Linearization(self, args, kwargs, output, result, run, record.calls)
+        returned = returned if torch.is_tensor(returned) else None
+        return Linearization(self, args, kwargs, output, result, run, record.calls, returned)
 
     def run_output(self, args: tuple, kwargs: dict, values: dict, output: str) -> torch.Tensor:
         """The model's output at ``values`` without recording (for torch.func)."""
@@ -401,8 +417,9 @@ class Linearization:
     :ivar observation: the :class:`Observation` of the observed site (or None).
     """
 
-    def __init__(self, jacobians, args, kwargs, output_kind, output, run, calls):
+    def __init__(self, jacobians, args, kwargs, output_kind, output, run, calls, returned=None):
         self._jacobians = jacobians
+        self._returned = returned  # the model's return value (a classifier's raw logits)
         self._args, self._kwargs = args, kwargs
         self._output_kind = output_kind
         self.output = output
@@ -464,18 +481,42 @@ class Linearization:
         the cotangents), or one per column where an operation has no batching rule. The
         graph's saved activations are freed as the last pass goes (as in training),
         unless ``keep_graph``: a graph still held when the next batch runs would double
-        the activations' memory.
+        the activations' memory. A model whose calls each feed one entry of its return
+        value (learnt and checked on the first batch) needs one pass whatever the columns
+        (:meth:`_separable_backward`).
 
         :return: per call, the gradients ``(m, *output.shape)``; site -> leaf gradient.
         """
         jacobians = self._jacobians
+        entries = self._separable_entries(calls)
+        if entries is not None and not leaves:
+            return self._separable_backward(calls, columns, entries, keep_graph), {}
+        returned = self._returned
+        learn = (
+            jacobians._separable is None
+            and returned is not None
+            and returned.requires_grad
+            and returned.dim() > 1
+            and returned.shape[0] == self.batch_size
+            and 1 < returned[0].numel() <= MAX_SEPARABLE_ENTRIES
+        )
+        per_call, references = self._columns_backward(calls, leaves, columns, keep_graph or learn)
+        if learn:
+            jacobians._separable = self._learn_separable(calls, columns, per_call, keep_graph)
+        return per_call, references
+
+    def _columns_backward(self, calls, leaves, columns, keep_graph, output=None):
+        """:meth:`_backward` by one backward pass per column (vmapped where possible), of
+        ``output`` (by default the differentiated output)."""
+        jacobians = self._jacobians
+        output = self.output if output is None else output
         targets = [call.output for call in calls] + [jacobians.values[s] for s in leaves]
         if jacobians._batched_backward is not False:
             try:
                 with warnings.catch_warnings():  # a batching rule looped over the columns
                     warnings.filterwarnings("ignore", "There is a performance drop")
                     grads = torch.autograd.grad(
-                        self.output,
+                        output,
                         targets,
                         columns,
                         # a first try that fails needs the graph for the fallback
@@ -496,7 +537,7 @@ class Linearization:
         per_column = []
         for c in range(len(columns)):
             grads = torch.autograd.grad(
-                self.output,
+                output,
                 targets if c == 0 else targets[: len(calls)],
                 columns[c],
                 retain_graph=keep_graph or c < len(columns) - 1,
@@ -513,6 +554,84 @@ class Linearization:
             for k, call in enumerate(calls)
         ]
         return per_call, dict(zip(leaves, per_column[0][len(calls) :]))
+
+    def _separable_entries(self, calls: list[_Call]) -> list[int] | None:
+        """The entry of the return value that each call feeds, if this model's calls feed
+        one each (learnt on an earlier batch, for the same calls in the same order)."""
+        learnt = self._jacobians._separable
+        if not learnt:
+            return None
+        sites, entries = learnt
+        return entries if sites == tuple((c.weight_site, c.bias_site) for c in calls) else None
+
+    def _learn_separable(self, calls, columns, expected, keep_graph):
+        """The entries each call feeds, with the calls' sites, or False.
+
+        One backward pass per entry of the return value finds them (a call's output
+        gradient is zero under every entry's cotangent but its own); then
+        :meth:`_separable_backward` must give the columns' gradients ``expected`` of the
+        passes per column, within the factored form's check (1e-3 of the largest).
+        """
+        returned = self._returned
+        count = returned[0].numel()
+        unit = torch.eye(count, dtype=returned.dtype, device=returned.device)
+        unit = unit.reshape(count, 1, *returned.shape[1:]).expand(count, *returned.shape)
+        probes, _ = self._columns_backward(calls, [], unit, keep_graph=True, output=returned)
+        entries = []
+        for probe in probes:
+            touched = [k for k in range(count) if probe[k].ne(0).any()]
+            if len(touched) != 1:  # none: it may feed any entry on another batch
+                return False
+            entries.append(touched[0])
+        found = self._separable_backward(calls, columns, entries, keep_graph)
+        for fast, slow in zip(found, expected):
+            if (fast - slow).abs().max() > 1e-3 * slow.abs().max() + 1e-12:
+                return False
+        return tuple((c.weight_site, c.bias_site) for c in calls), entries
+
+    def _separable_backward(self, calls, columns, entries, keep_graph) -> list[torch.Tensor]:
+        r"""Every column's gradient at each call's output from one backward pass.
+
+        When call :math:`k` feeds entry :math:`e_k` of the model's return value :math:`r`
+        alone, column :math:`v_c`'s gradient at its output is
+        :math:`w_{c,i,e_k}\,\partial r_{i,e_k} / \partial s_k` for example :math:`i`, with
+        :math:`w_c = (\partial f / \partial r)^\top v_c` pulled back through what lies
+        between :math:`r` and the differentiated output :math:`f` (a categorical
+        likelihood's normalisation of the logits); one backward pass of the all-ones
+        cotangent gives every :math:`\partial r_{i,e_k} / \partial s_k`. For
+        :class:`~pyro_bdl.models.ChoiceTexts` with :math:`C` choices that is one pass
+        where :math:`C` would be needed, each through every choice's sequences.
+        """
+        returned = self._returned
+        if returned is self.output:
+            weights = columns
+        else:
+            try:
+                (weights,) = torch.autograd.grad(
+                    self.output, returned, columns, retain_graph=True, is_grads_batched=True
+                )
+            except RuntimeError:  # no batching rule: a pass per column, from f back to r only
+                pulled = [
+                    torch.autograd.grad(self.output, returned, c, retain_graph=True)
+                    for c in columns
+                ]
+                weights = torch.stack([grad for (grad,) in pulled])
+        grads = torch.autograd.grad(
+            returned,
+            [call.output for call in calls],
+            torch.ones_like(returned),
+            retain_graph=keep_graph,
+            allow_unused=True,
+        )
+        weights = weights.reshape(len(columns), self.batch_size, -1)
+        per_call = []
+        for call, grad, entry in zip(calls, grads, entries):
+            if grad is None:
+                per_call.append(columns.new_zeros(len(columns), *call.output.shape))
+                continue
+            weight = weights[:, :, entry].reshape(*weights.shape[:2], *(1,) * (grad.dim() - 1))
+            per_call.append(weight * grad)
+        return per_call
 
     def _factored_sites(self) -> set[str]:
         """Sites whose every recorded use is a ``linear``/``embedding`` call over the batch."""

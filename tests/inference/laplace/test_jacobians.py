@@ -69,6 +69,11 @@ def test_linear_sites_give_factored_per_example_gradients(problem):
     expected = reference(module, net.init_values(), x, columns)
     assert all(isinstance(grad, LinearGradient) for grad in grads.values())
     assert all(jacobians.factored_verified.values())
+    # every call feeds every class: the one-pass path (ChoiceTexts') is learnt not to apply
+    assert jacobians._separable is False
+    grads_again, _ = gradients(jacobians, x, y)
+    for name, grad in grads_again.items():
+        assert torch.equal(grad.per_example(), grads[name].per_example())
     for name, grad in grads.items():
         assert torch.allclose(grad.per_example(), expected[name], atol=1e-12)
         dense = DenseGradient(grad.per_example())
