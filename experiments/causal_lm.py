@@ -274,15 +274,22 @@ def collate_hidden(items: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def hidden_loader(items: list[dict], batch_size: int, seed: int | None = None) -> DataLoader:
-    """Batches of cached prompts; shuffled (by ``seed``) for training, in order otherwise."""
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return DataLoader(
-        items,
-        batch_size=batch_size,
-        shuffle=seed is not None,
-        collate_fn=collate_hidden,
-        generator=generator,
-    )
+    """Batches of cached prompts; shuffled (by ``seed``) for training, otherwise shortest
+    first, as :meth:`~experiments.lora_finetune.Task.eval_loader`'s: in the records' order
+    58 % of a batch of 32 of ARC-Easy's choice texts is padding, shortest first 4 %."""
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        return DataLoader(
+            items, batch_size, shuffle=True, collate_fn=collate_hidden, generator=generator
+        )
+    order = sorted(range(len(items)), key=lambda i: _longest(items[i]))
+    return DataLoader(items, batch_size, sampler=order, collate_fn=collate_hidden)
+
+
+def _longest(item: dict) -> int:
+    """The length of an item's longest sequence (its prompt, or its longest choice's)."""
+    hidden = item["h"]
+    return max(map(len, hidden)) if isinstance(hidden, list) else len(hidden)
 
 
 def whole_model_logits(model, collate, records, ids: list[int] | None = None) -> torch.Tensor:
