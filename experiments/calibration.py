@@ -72,7 +72,11 @@ classes are the answer tokens' next-token logits, as in the papers, or for ARC-E
 (``arc_easy_text``) the log-probabilities of the choices' texts. The recipe is the same for
 every method, at the learning rate the learnability probes chose (1e-3, batch 8). LLLA and
 LA-torch are not run (the causal LM has no new head; laplace-torch takes the encoder's
-classifier); their cells say so. Cells and checkpoints are the model's own.
+classifier); their cells say so. Cells and checkpoints are the model's own. A model tuned
+on ARC-Easy is also scored on OpenBookQA's questions by their texts (:data:`CAUSAL_SHIFT`,
+a distribution shift as in BLoB's Table 2), in a column ``arc_easy_text_to_obqa_text`` of
+every table, with the AUROC of telling those questions from ARC-Easy's own by predictive
+entropy.
 
 Outputs in ``--out``: ``results.json`` (with the device, the sizes, the recipe and every
 cell's wall and CPU time), ``calibration.md`` (the tables), ``calibration_<dataset>.png``
@@ -129,7 +133,7 @@ from experiments.lora_finetune import (
 from experiments.runner import Experiment, markdown_table, mean_sd
 from pyro_bdl.inference import BLoBGuide, IVONGuide, baselines, fit_blob, fit_ivon
 from pyro_bdl.inference.vi.blob_svi import warmup_schedule
-from pyro_bdl.metrics import selective_accuracy
+from pyro_bdl.metrics import auroc, selective_accuracy, uncertainty_decomposition
 from pyro_bdl.models import DictLogits
 from pyro_bdl.plots import reliability_diagram
 from pyro_bdl.priors import IIDNormal
@@ -206,6 +210,13 @@ CAUSAL_QUICK = {
     name: TaskSpec(name, 8, 8, 48, batch_size=4, steps=2, validation_size=8, lr=1e-3)
     for name in ("sst2", "arc_easy_text")
 }
+#: Distribution shift: task -> (another task, its test questions). Every method of a task
+#: is also scored on the other task's questions, which nothing trains or tunes on (BLoB's
+#: Table 2 and Laplace-LoRA's out-of-distribution tables: a model tuned on one task of
+#: science questions answers another's), in the tables' column ``<task>_to_<other>``; its
+#: AUROC table says how well each method's predictive entropy tells them from the task's own.
+CAUSAL_SHIFT = {"arc_easy_text": ("obqa_text", 128)}
+CAUSAL_SHIFT_QUICK = {"arc_easy_text": ("obqa_text", 8)}
 #: The decoder layers whose queries and values LoRA adapts (the last ones), full and quick.
 CAUSAL_TOP_LAYERS = {"full": 16, "quick": 1}
 #: Method settings; ``QUICK_METHOD`` overrides some for the CI run.
@@ -268,8 +279,15 @@ def _run(experiment: Experiment) -> dict:
     methods = experiment.selected("methods", METHODS)
     if causal:
         top_layers = CAUSAL_TOP_LAYERS["quick" if experiment.quick else "full"]
+        shifts = CAUSAL_SHIFT_QUICK if experiment.quick else CAUSAL_SHIFT
         tasks = {
-            name: CausalTask(specs[name], experiment.data_dir, experiment.model, top_layers)
+            name: CausalTask(
+                specs[name],
+                experiment.data_dir,
+                experiment.model,
+                top_layers,
+                *shifts.get(name, ()),
+            )
             for name in datasets
         }
         network, model = (
@@ -308,6 +326,9 @@ def _run(experiment: Experiment) -> dict:
             experiment.device,
             network,
         )
+        # scored on another task's questions too: cells of their own
+        shift = getattr(task, "shift_name", None)
+        scored = length if shift is None else (*length, f"shift={shift}")
         for seed in experiment.seeds:
             for method in methods:
                 if method == "LA-torch" and (
@@ -316,15 +337,19 @@ def _run(experiment: Experiment) -> dict:
                     continue
                 compute = _METHODS[method]
                 cell = experiment.cell(
-                    (dataset, method, seed, *length),
+                    (dataset, method, seed, *scored),
                     lambda compute=compute, fits=fits, seed=seed: compute(fits, seed),
                 )
                 for row, result in cell["rows"].items():
                     cells.setdefault(dataset, {}).setdefault(row, {})[seed] = result
+                    if "shift" in result:
+                        shifted = {**result["shift"], "in_distribution_probs": result["probs"]}
+                        column = cells.setdefault(f"{dataset}_to_{shift}", {})
+                        column.setdefault(row, {})[seed] = shifted
                 extra = {k: v for k, v in cell.items() if k != "rows"}
                 extras.setdefault(dataset, {}).setdefault(method, {})[seed] = extra
     results = _summaries(cells, extras)
-    tables = _tables(results, [d for d in datasets if d in cells], experiment)
+    tables = _tables(results, list(cells), experiment)
     (experiment.out / "calibration.md").write_text(tables + "\n")
     for dataset in cells:
         _diagram(cells[dataset], experiment.out / f"calibration_{dataset}.png", dataset)
@@ -396,13 +421,33 @@ def _first(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {site: value[0] for site, value in samples.items()}
 
 
+def _predictions(draws, task: Task) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each draw's probabilities and the labels on the test subset (``"test"``) and on the
+    task's shifted questions (``"shift"``, if it has them)."""
+    loaders = {"test": task.test_loader(), "shift": task.shift_loader()}
+    return {name: predict(draws, loader) for name, loader in loaders.items() if loader}
+
+
+def _scored(predictions: dict, count: int | None = None) -> dict:
+    """A row from :func:`_predictions` (its first ``count`` draws): the test subset's
+    metrics and mean probabilities, and the shifted questions' under ``"shift"``."""
+
+    def score(probs, labels) -> dict:
+        probs = probs[:count]
+        return {
+            "metrics": evaluate(probs, labels),
+            "probs": probs.mean(0).round(decimals=6),
+            "labels": labels,
+        }
+
+    row = score(*predictions["test"])
+    if "shift" in predictions:
+        row["shift"] = score(*predictions["shift"])
+    return row
+
+
 def _row(draws, task: Task) -> dict:
-    probs, labels = predict(draws, task.test_loader())
-    return {
-        "metrics": evaluate(probs, labels),
-        "probs": probs.mean(0).round(decimals=6),
-        "labels": labels,
-    }
+    return _scored(_predictions(draws, task))
 
 
 def _map(fits: _Fits, seed: int) -> dict:
@@ -581,13 +626,9 @@ def _blob(fits: _Fits, seed: int) -> dict:
     rows = {"BLoB (N=0)": _row(point_draws(model, [guide.median()]), fits.task)}
     few, many = fits.settings["blob_samples"]
     pyro.set_rng_seed(seed)
-    probs, labels = predict(guide_draws(model, guide, many), fits.task.test_loader())
+    predictions = _predictions(guide_draws(model, guide, many), fits.task)
     for count in (few, many):
-        rows[f"BLoB (N={count})"] = {
-            "metrics": evaluate(probs[:count], labels),
-            "probs": probs[:count].mean(0).round(decimals=6),
-            "labels": labels,
-        }
+        rows[f"BLoB (N={count})"] = _scored(predictions, count)
     omega = guide.stddevs()  # BLoB's Omega = G^2 after training
     return {
         "rows": rows,
@@ -676,15 +717,22 @@ _METHODS = {
 _METRICS = ("accuracy", "ece", "nll", "brier")
 #: Selective prediction: the accuracy on the most confident 80 % of the test examples.
 SELECTIVE_COVERAGE = 0.8
-_TEST_METRICS = (*_METRICS, "selective_accuracy")
+_TEST_METRICS = (*_METRICS, "selective_accuracy", "shift_auroc")
 
 
 def _test_scores(result: dict) -> dict[str, float]:
-    """A row's test metrics, with its selective accuracy from its stored probabilities."""
+    """A row's test metrics, with its selective accuracy from its stored probabilities;
+    on shifted questions also the AUROC of telling them from the test subset's by the
+    predictive entropy."""
     scores = dict(result["metrics"])
     if "probs" in result:
         probs, labels = torch.as_tensor(result["probs"]), torch.as_tensor(result["labels"])
         scores["selective_accuracy"] = selective_accuracy(probs, labels, SELECTIVE_COVERAGE)
+    if "in_distribution_probs" in result:
+        own = torch.as_tensor(result["in_distribution_probs"])
+        entropy = uncertainty_decomposition(torch.cat([own, probs])[None]).total
+        shifted = torch.cat([torch.zeros(len(own)), torch.ones(len(probs))])
+        scores["shift_auroc"] = auroc(entropy, shifted)
     return scores
 
 
@@ -737,23 +785,32 @@ def _tables(results: dict, datasets: list[str], experiment: Experiment) -> str:
     """Markdown: the settings, one table per metric, MAP's gap, Laplace's choices, verdicts."""
     metrics = results["metrics"]
     rows = list(dict.fromkeys(row for dataset in datasets for row in metrics[dataset]))
+    columns = datasets
+    # the tasks themselves (the shifted columns have no sizes, fine-tunes or choices)
+    datasets = [d for d in datasets if d in experiment.settings["sizes"]]
     parts = [_caption(datasets, experiment)]
     titles = (
         ("accuracy", "Accuracy ↑"),
         ("ece", "ECE ↓"),
         ("nll", "NLL ↓"),
         ("selective_accuracy", f"Accuracy at {SELECTIVE_COVERAGE:.0%} coverage ↑"),
+        (
+            "shift_auroc",
+            "Telling the shifted questions from the task's own by predictive entropy (AUROC) ↑",
+        ),
     )
     for name, title in titles:
         table = [
             {
                 "method": row,
-                **{d: metrics[d][row][name] for d in datasets if name in metrics[d].get(row, {})},
+                **{d: metrics[d][row][name] for d in columns if name in metrics[d].get(row, {})},
             }
             for row in rows
         ]
-        parts.append(f"### {title}\n\n" + markdown_table(table, ["method", *datasets]))
-    verdicts = _verdicts(metrics, datasets)
+        shown = [d for d in columns if any(d in row for row in table)]
+        if shown:
+            parts.append(f"### {title}\n\n" + markdown_table(table, ["method", *shown]))
+    verdicts = _verdicts(metrics, columns)
     if verdicts:
         parts.append(
             "### Against MAP and MAP + temperature scaling (test NLL and ECE, means over "
@@ -845,7 +902,8 @@ def _caption(datasets: list[str], experiment: Experiment) -> str:
         "",
         markdown_table(
             [{"dataset": d, **sizes[d]} for d in datasets],
-            ["dataset", "train", "validation", "test", "batch_size", "steps"],
+            ["dataset", "train", "validation", "test", "batch_size", "steps"]
+            + ["shift"] * any("shift" in sizes[d] for d in datasets),
         ),
     ]
     return "\n".join(lines)

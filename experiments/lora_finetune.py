@@ -238,6 +238,12 @@ class Task:
         """Batches of the test subset."""
         return self.eval_loader(self.test)
 
+    def shift_loader(self) -> DataLoader | None:
+        """Batches of another task's questions that the methods are also scored on
+        (distribution shift); None here: :class:`~experiments.causal_lm.CausalTask` has
+        them."""
+        return None
+
     def validation_loader(self) -> DataLoader:
         """Batches of the validation subset (for the choices made on held-out data)."""
         if not len(self.validation):

@@ -71,9 +71,13 @@ def test_a_causal_task_batches_the_cached_states_of_its_own_subsets(task):
     (batch, *_) = task.train_loader(seed=0)
     assert set(batch) == {"inputs_embeds", "attention_mask", "labels"}
     assert batch["inputs_embeds"].shape[::2] == (3, 16) and batch["labels"].shape == (3,)
+    # evaluated shortest first, every example once
     shown = torch.cat([b["labels"] for b in task.eval_loader(task.validation)])
-    assert shown.tolist() == [record["label"] for record in task.validation]
-    with pytest.raises(ValueError, match="the task's own train, validation or test records"):
+    lengths = [len(item["h"]) for item in task.items("validation")]
+    shortest_first = sorted(range(len(lengths)), key=lengths.__getitem__)
+    assert lengths != sorted(lengths)  # so that the order is the loader's own
+    assert shown.tolist() == [task.validation[i]["label"] for i in shortest_first]
+    with pytest.raises(ValueError, match="the task's own train, validation, test or shift"):
         task.eval_loader(list(task.test))
 
 
@@ -96,7 +100,7 @@ def test_a_causal_network_checks_its_cut_and_fine_tunes_on_the_task(task):
     assert all(theta[site].abs().max() > 0 for site in moved)  # B starts at zero
     probs, labels = predict(point_draws(network.model, [theta]), task.test_loader())
     assert probs.shape == (1, 5, 2) and torch.allclose(probs.sum(-1), torch.ones(1, 5))
-    assert labels.tolist() == [record["label"] for record in task.test]
+    assert sorted(labels.tolist()) == sorted(record["label"] for record in task.test)
     assert 0 <= evaluate(probs, labels)["accuracy"] <= 1
 
 
@@ -118,3 +122,34 @@ def test_a_task_scored_by_the_choice_texts_caches_every_choice(tiny_base, shared
     theta = fine_tune_map(network, task, seed=0)
     probs, labels = predict(point_draws(network.model, [theta]), task.test_loader())
     assert probs.shape == (1, 3, 4) and torch.allclose(probs.sum(-1), torch.ones(1, 3))
+
+
+def test_a_task_is_scored_on_another_tasks_questions_that_its_network_can_answer(
+    tiny_base, shared_data
+):
+    spec = TaskSpec("arc_easy_text", 4, 3, 40, batch_size=2, steps=1, validation_size=2)
+    task = CausalTask(spec, shared_data, tiny_base, top_layers=1, shift="obqa_text", shift_size=5)
+    assert len(task.shift) == 5 and task.sizes()["shift"] == 5
+    arc = {record["question"] for record in (*task.train, *task.test)}
+    assert not arc & {record["question"] for record in task.shift}  # OpenBookQA's own
+    batches = list(task.shift_loader())
+    assert batches[0]["inputs_embeds"].shape[:2] == (min(5, 32), 4)
+    shown = torch.cat([batch["labels"] for batch in batches])
+    assert sorted(shown.tolist()) == sorted(record["label"] for record in task.shift)
+    network = CausalNetwork(task, seed=0)
+    probs, labels = predict(point_draws(network.model, [network.net.init_values()]), batches)
+    assert probs.shape == (1, 5, 4) and torch.allclose(probs.sum(-1), torch.ones(1, 5))
+    # a task without a shift has none; one whose answers its network cannot score is refused
+    plain = CausalTask(spec, shared_data, tiny_base, top_layers=1)
+    assert plain.shift is None and plain.shift_loader() is None and "shift" not in plain.sizes()
+    sentiment = TaskSpec("sst2", 4, 3, 24, batch_size=2, steps=1, validation_size=2)
+    with pytest.raises(ValueError, match="shift='obqa_text' scores its answers otherwise"):
+        CausalTask(sentiment, shared_data, tiny_base, top_layers=1, shift="obqa_text")
+    with pytest.raises(ValueError, match="shift='obqa' scores its answers otherwise"):
+        CausalTask(spec, shared_data, tiny_base, top_layers=1, shift="obqa")  # by letters
+    with pytest.raises(ValueError, match="hellaswag: a causal LM's task needs a prompt"):
+        CausalTask(spec, shared_data, tiny_base, top_layers=1, shift="hellaswag")
+    reviews = CausalTask(
+        sentiment, shared_data, tiny_base, top_layers=1, shift="imdb", shift_size=2
+    )
+    assert [len(batch["labels"]) for batch in reviews.shift_loader()] == [2]

